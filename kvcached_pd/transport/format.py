@@ -1,0 +1,178 @@
+"""The canonical packed format of one request's KV in a staging extent (version 1).
+
+Prefill and decode workers may lay their caches out differently (NHD or HND, K/V
+first, blocks first or K/V packed, kvcached or not) and may use different block sizes.
+Rather than negotiate a common block size or layout, each side converts between its own
+cache and this one format, and the handshake checks only that both speak it.
+
+Version 1, for one request on one TP rank, with ``n_tok_slots`` = (blocks packed) x
+(block size of the packing side)::
+
+    extent = layer 0 | layer 1 | ... | layer num_layers-1       (no gaps, no header)
+    layer  = array of logical shape (2, n_tok_slots, num_kv_heads, head_dim),
+             C-contiguous, in the cache dtype; [0] is K, [1] is V
+
+Token slot ``t`` holds the request's token ``t``; slots ``[num_tokens, n_tok_slots)``
+are padding (whatever the packing side's last block held there). ``n_tok_slots`` and
+``num_tokens`` travel with the request, not in the format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FORMAT_VERSION",
+    "PackedFormat",
+    "PackedFormatMismatch",
+    "dtype_name",
+    "packed_extent_view",
+]
+
+FORMAT_VERSION = 1
+
+
+class PackedFormatMismatch(ValueError):
+    """The two sides of a transfer do not speak the same packed format."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the spelling used on the wire."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown KV cache dtype {name!r} in packed format")
+    return dtype
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    """What both sides must agree on to exchange packed extents."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_kv_heads", "head_dim", "version"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"PackedFormat.{field} must be a positive int, got {value!r}")
+        _dtype_from_name(self.dtype)
+
+    @classmethod
+    def for_cache(
+        cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> PackedFormat:
+        """The current-version format of a cache with these dims."""
+        return cls(num_layers, num_kv_heads, head_dim, dtype_name(dtype))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _dtype_from_name(self.dtype)
+
+    @property
+    def bytes_per_token_one_layer(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+    @property
+    def bytes_per_token_all_layers(self) -> int:
+        return self.num_layers * self.bytes_per_token_one_layer
+
+    def extent_bytes(self, n_tok_slots: int) -> int:
+        """Size of an extent holding ``n_tok_slots`` token slots of every layer."""
+        _check_slots(n_tok_slots)
+        return n_tok_slots * self.bytes_per_token_all_layers
+
+    def layer_offset(self, layer: int, n_tok_slots: int) -> int:
+        """Byte offset of ``layer``'s array inside an extent of ``n_tok_slots`` slots."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
+        _check_slots(n_tok_slots)
+        return layer * n_tok_slots * self.bytes_per_token_one_layer
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form for the handshake and ``kv_transfer_params``."""
+        return {
+            "version": self.version,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PackedFormat:
+        missing = {"version", "num_layers", "num_kv_heads", "head_dim", "dtype"} - set(data)
+        if missing:
+            raise ValueError(f"packed format {dict(data)!r} lacks {sorted(missing)}")
+        return cls(
+            num_layers=data["num_layers"],
+            num_kv_heads=data["num_kv_heads"],
+            head_dim=data["head_dim"],
+            dtype=data["dtype"],
+            version=data["version"],
+        )
+
+    def check_compatible(self, other: PackedFormat) -> None:
+        """Raise :class:`PackedFormatMismatch` naming the first field that differs."""
+        if self.version != other.version:
+            raise PackedFormatMismatch(
+                f"packed format version differs: {self.version} here, {other.version} at the peer"
+            )
+        if self.num_layers != other.num_layers:
+            raise PackedFormatMismatch(
+                f"num_layers differs: {self.num_layers} here, {other.num_layers} at the peer"
+            )
+        if self.num_kv_heads != other.num_kv_heads:
+            raise PackedFormatMismatch(
+                f"num_kv_heads differs: {self.num_kv_heads} here, {other.num_kv_heads} at the "
+                "peer (different TP sizes); TP head slicing not supported"
+            )
+        if self.head_dim != other.head_dim:
+            raise PackedFormatMismatch(
+                f"head_dim differs: {self.head_dim} here, {other.head_dim} at the peer"
+            )
+        if self.dtype != other.dtype:
+            raise PackedFormatMismatch(
+                f"KV cache dtype differs: {self.dtype} here, {other.dtype} at the peer"
+            )
+
+
+def _check_slots(n_tok_slots: int) -> None:
+    if n_tok_slots <= 0:
+        raise ValueError(f"n_tok_slots must be positive, got {n_tok_slots}")
+
+
+def packed_extent_view(extent: torch.Tensor, fmt: PackedFormat, n_tok_slots: int) -> torch.Tensor:
+    """View a contiguous extent (any dtype, e.g. staging ``uint8``) as
+    ``(num_layers, 2, n_tok_slots, num_kv_heads, head_dim)`` in the format's dtype.
+
+    The extent must be exactly ``fmt.extent_bytes(n_tok_slots)`` long: a size mismatch
+    means the two sides disagree on ``n_tok_slots`` and is never papered over.
+    """
+    if not extent.is_contiguous():
+        raise ValueError(f"packed extent must be contiguous, got strides {extent.stride()}")
+    expected = fmt.extent_bytes(n_tok_slots)
+    actual = extent.numel() * extent.element_size()
+    if actual != expected:
+        raise ValueError(
+            f"packed extent holds {actual} bytes but {n_tok_slots} token slots of {fmt} "
+            f"need {expected}"
+        )
+    return (
+        extent.reshape(-1)
+        .view(torch.uint8)
+        .view(fmt.torch_dtype)
+        .view(fmt.num_layers, 2, n_tok_slots, fmt.num_kv_heads, fmt.head_dim)
+    )

@@ -1,0 +1,87 @@
+"""The canonical packed format: sizes, offsets, wire form and compatibility checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvcached_pd.transport.format import (
+    FORMAT_VERSION,
+    PackedFormat,
+    PackedFormatMismatch,
+    packed_extent_view,
+)
+
+FMT = PackedFormat(num_layers=4, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+
+
+def test_sizes_and_offsets() -> None:
+    per_token_one_layer = 2 * 8 * 128 * 2
+    assert FMT.version == FORMAT_VERSION == 1
+    assert FMT.bytes_per_token_all_layers == 4 * per_token_one_layer
+    assert FMT.extent_bytes(48) == 48 * 4 * per_token_one_layer
+    assert [FMT.layer_offset(layer, 48) for layer in range(4)] == [
+        layer * 48 * per_token_one_layer for layer in range(4)
+    ]
+    with pytest.raises(IndexError):
+        FMT.layer_offset(4, 48)
+    with pytest.raises(ValueError):
+        FMT.extent_bytes(0)
+
+
+def test_extent_view_puts_each_layer_at_its_offset_k_before_v() -> None:
+    fmt = PackedFormat(num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32")
+    slots = 5
+    extent = torch.zeros(fmt.extent_bytes(slots), dtype=torch.uint8)
+    packed = packed_extent_view(extent, fmt, slots)
+    assert packed.shape == (3, 2, slots, 2, 4) and packed.dtype == torch.float32
+    packed[2, 1, 3, 1, 2] = 1.0
+    flat = extent.view(torch.float32)
+    layer_base = fmt.layer_offset(2, slots) // 4
+    v_base = slots * 2 * 4  # K of all slots, then V
+    assert flat.nonzero().flatten().tolist() == [layer_base + v_base + (3 * 2 + 1) * 4 + 2]
+
+
+def test_extent_view_refuses_a_wrong_size_or_non_contiguous_extent() -> None:
+    fmt = PackedFormat(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16")
+    with pytest.raises(ValueError, match="holds 48 bytes but 4 token slots .* need 64"):
+        packed_extent_view(torch.zeros(48, dtype=torch.uint8), fmt, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        packed_extent_view(torch.zeros(128, dtype=torch.uint8)[::2], fmt, 4)
+
+
+def test_dict_round_trip_through_json() -> None:
+    wire = json.loads(json.dumps(FMT.to_dict()))
+    assert PackedFormat.from_dict(wire) == FMT
+    assert PackedFormat.for_cache(4, 8, 128, torch.bfloat16) == FMT
+    assert FMT.torch_dtype is torch.bfloat16
+
+
+def test_from_dict_names_missing_fields_and_bad_values() -> None:
+    wire = FMT.to_dict()
+    del wire["head_dim"]
+    with pytest.raises(ValueError, match="head_dim"):
+        PackedFormat.from_dict(wire)
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'bfloat17'"):
+        PackedFormat.from_dict({**FMT.to_dict(), "dtype": "bfloat17"})
+    with pytest.raises(ValueError, match="num_layers must be a positive int"):
+        PackedFormat.from_dict({**FMT.to_dict(), "num_layers": 0})
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("version", 2, "version differs"),
+        ("num_layers", 5, "num_layers differs"),
+        ("num_kv_heads", 4, "TP head slicing not supported"),
+        ("head_dim", 64, "head_dim differs"),
+        ("dtype", "float8_e4m3fn", "dtype differs: bfloat16 here, float8_e4m3fn at the peer"),
+    ],
+)
+def test_check_compatible_names_the_mismatching_field(field, value, message) -> None:
+    other = PackedFormat.from_dict({**FMT.to_dict(), field: value})
+    with pytest.raises(PackedFormatMismatch, match=message):
+        FMT.check_compatible(other)
+    FMT.check_compatible(PackedFormat.from_dict(FMT.to_dict()))
