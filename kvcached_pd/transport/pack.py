@@ -1,0 +1,221 @@
+"""Gather a request's KV blocks into a packed extent, and scatter an extent into blocks.
+
+Prefill packs a finished request's blocks of every layer into one contiguous extent of
+its staging buffer (:func:`pack_request`); decode pulls that extent with one or a few
+large NIXL descriptors and scatters it into its own blocks (:func:`unpack_request`).
+The extent is in the canonical format of :mod:`kvcached_pd.transport.format`, so the two
+sides may differ in cache layout and block size.
+
+Both directions are single torch gather/scatter kernels over the strided logical views
+of :mod:`kvcached_pd.transport.layout`: ``index_select`` (dim = blocks) writes straight
+into the extent, ``index_copy_`` reads straight from it; nothing is staged twice. When
+all layers sit at a constant stride in one storage, one kernel covers every layer
+(:attr:`KVCacheLayers.stacked`); otherwise there is one kernel per layer. Data are moved
+as same-width integers, so every cache dtype (fp8 included) moves bit for bit and no
+kernel needs a dtype-specific instantiation.
+
+Kernels are enqueued on the current stream of the cache's device; ordering against the
+attention kernels and the NIXL transfer is the caller's business.
+
+Unpacking when decode's block size is larger than prefill's: decode needs
+``ceil(num_tokens / bs_D)`` blocks, whose ``nb_D * bs_D`` token positions may exceed the
+``src_tok_slots`` the extent holds. Positions below ``src_tok_slots`` are copied (those
+at or above ``num_tokens`` carry prefill's padding); positions at or above
+``src_tok_slots`` are left as they were. Either way they lie at or beyond
+``num_tokens``, which decode writes before it ever reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from kvcached_pd.transport.format import PackedFormat, dtype_name, packed_extent_view
+from kvcached_pd.transport.layout import KVCacheLayers
+
+__all__ = [
+    "BlockIds",
+    "LayerViews",
+    "pack_request",
+    "pack_request_reference",
+    "unpack_reference",
+    "unpack_request",
+]
+
+LayerViews = KVCacheLayers | Sequence[torch.Tensor]
+BlockIds = Sequence[int] | torch.Tensor
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory viewed as integers of the same width (strides unchanged)."""
+    return tensor.view(_SAME_WIDTH_INT[tensor.element_size()])
+
+
+def _as_layers(layer_views: LayerViews) -> KVCacheLayers:
+    if isinstance(layer_views, KVCacheLayers):
+        return layer_views
+    return KVCacheLayers.from_views(layer_views)
+
+
+def _check_layers_match_format(layers: KVCacheLayers, fmt: PackedFormat) -> None:
+    _, _, _, heads, head_dim = layers.layers[0].shape
+    mine = PackedFormat(
+        num_layers=layers.num_layers,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        dtype=dtype_name(layers.dtype),
+        version=fmt.version,
+    )
+    fmt.check_compatible(mine)
+
+
+def _host_block_ids(block_ids: BlockIds, num_blocks: int) -> torch.Tensor:
+    """Validate block ids on the host: an out-of-range id would be a device-side
+    assert on CUDA (fatal to the process), a repeated one a racy scatter."""
+    ids = torch.as_tensor(block_ids, dtype=torch.int64, device="cpu")
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(
+            f"block ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}"
+        )
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= num_blocks:
+        raise ValueError(f"block ids span [{low}, {high}] but the cache has {num_blocks} blocks")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError(f"block ids repeat: {ids.tolist()}")
+    return ids
+
+
+def pack_request(
+    layer_views: LayerViews,
+    block_ids: BlockIds,
+    out_extent: torch.Tensor,
+    fmt: PackedFormat,
+) -> int:
+    """Gather ``block_ids`` of every layer into ``out_extent``; return ``n_tok_slots``.
+
+    ``layer_views`` are logical views (:func:`~kvcached_pd.transport.layout.logical_kv_view`)
+    or a :class:`KVCacheLayers`; ``out_extent`` is a contiguous tensor on the caches'
+    device of exactly ``fmt.extent_bytes(len(block_ids) * block_size)`` bytes. The
+    extent holds ``n_tok_slots = len(block_ids) * block_size`` token slots per layer.
+    """
+    layers = _as_layers(layer_views)
+    _check_layers_match_format(layers, fmt)
+    host_ids = _host_block_ids(block_ids, layers.num_blocks)
+    num_blocks, block_size = host_ids.numel(), layers.block_size
+    n_tok_slots = num_blocks * block_size
+    packed = _as_bits(packed_extent_view(out_extent, fmt, n_tok_slots))
+    _check_same_device(packed, layers)
+    by_block = packed.unflatten(2, (num_blocks, block_size))
+    index = host_ids.to(layers.device)
+    if layers.stacked is not None:
+        torch.index_select(_as_bits(layers.stacked), 2, index, out=by_block)
+    else:
+        for layer, view in enumerate(layers.layers):
+            torch.index_select(_as_bits(view), 1, index, out=by_block[layer])
+    return n_tok_slots
+
+
+def unpack_request(
+    layer_views: LayerViews,
+    block_ids: BlockIds,
+    in_extent: torch.Tensor,
+    fmt: PackedFormat,
+    num_tokens: int,
+    src_tok_slots: int,
+) -> None:
+    """Scatter a packed extent of ``src_tok_slots`` token slots into ``block_ids``.
+
+    ``block_ids`` must be exactly the ``ceil(num_tokens / block_size)`` blocks that hold
+    tokens ``[0, num_tokens)`` on this side, in token order; the caches' block size need
+    not match the packing side's. See the module docstring for positions past
+    ``num_tokens``.
+    """
+    layers = _as_layers(layer_views)
+    _check_layers_match_format(layers, fmt)
+    if not 0 < num_tokens <= src_tok_slots:
+        raise ValueError(f"num_tokens={num_tokens} must be in [1, src_tok_slots={src_tok_slots}]")
+    host_ids = _host_block_ids(block_ids, layers.num_blocks)
+    block_size = layers.block_size
+    needed = math.ceil(num_tokens / block_size)
+    if host_ids.numel() != needed:
+        raise ValueError(
+            f"{num_tokens} tokens fill {needed} blocks of {block_size} tokens, "
+            f"got {host_ids.numel()} block ids"
+        )
+    packed = _as_bits(packed_extent_view(in_extent, fmt, src_tok_slots))
+    _check_same_device(packed, layers)
+
+    # Blocks wholly covered by the extent go in one scatter; when this side's blocks are
+    # larger than the packing side's, the last block may be covered only in part.
+    full_blocks = min(needed, src_tok_slots // block_size)
+    covered = full_blocks * block_size
+    by_block = packed[:, :, :covered].unflatten(2, (full_blocks, block_size))
+    partial_tokens = src_tok_slots - covered if full_blocks < needed else 0
+    partial_block = int(host_ids[-1])
+    index = host_ids[:full_blocks].to(layers.device)
+
+    if layers.stacked is not None:
+        stacked = _as_bits(layers.stacked)
+        if full_blocks:
+            stacked.index_copy_(2, index, by_block)
+        if partial_tokens:
+            stacked[:, :, partial_block, :partial_tokens].copy_(packed[:, :, covered:])
+        return
+    for layer, view in enumerate(layers.layers):
+        target = _as_bits(view)
+        if full_blocks:
+            target.index_copy_(1, index, by_block[layer])
+        if partial_tokens:
+            target[:, partial_block, :partial_tokens].copy_(packed[layer, :, covered:])
+
+
+def _check_same_device(packed: torch.Tensor, layers: KVCacheLayers) -> None:
+    if packed.device != layers.device:
+        raise ValueError(f"extent is on {packed.device} but the KV cache on {layers.device}")
+
+
+def pack_request_reference(
+    layer_views: LayerViews, block_ids: Sequence[int], fmt: PackedFormat
+) -> torch.Tensor:
+    """Token-by-token Python loop of :func:`pack_request`; returns a new ``uint8`` extent.
+    For tests only."""
+    layers = _as_layers(layer_views)
+    ids = [int(block_id) for block_id in block_ids]
+    block_size = layers.block_size
+    n_tok_slots = len(ids) * block_size
+    extent = torch.empty(fmt.extent_bytes(n_tok_slots), dtype=torch.uint8, device=layers.device)
+    packed = _as_bits(packed_extent_view(extent, fmt, n_tok_slots))
+    for layer, view in enumerate(layers.layers):
+        bits = _as_bits(view)
+        for kv in range(2):
+            for slot in range(n_tok_slots):
+                packed[layer, kv, slot] = bits[kv, ids[slot // block_size], slot % block_size]
+    return extent
+
+
+def unpack_reference(
+    layer_views: LayerViews,
+    block_ids: Sequence[int],
+    in_extent: torch.Tensor,
+    fmt: PackedFormat,
+    num_tokens: int,
+    src_tok_slots: int,
+) -> None:
+    """Token-by-token Python loop of :func:`unpack_request` (same positions written).
+    For tests only."""
+    layers = _as_layers(layer_views)
+    ids = [int(block_id) for block_id in block_ids]
+    block_size = layers.block_size
+    if len(ids) != math.ceil(num_tokens / block_size):
+        raise ValueError(f"{len(ids)} block ids do not hold {num_tokens} tokens")
+    packed = _as_bits(packed_extent_view(in_extent, fmt, src_tok_slots))
+    written = min(len(ids) * block_size, src_tok_slots)
+    for layer, view in enumerate(layers.layers):
+        bits = _as_bits(view)
+        for kv in range(2):
+            for token in range(written):
+                bits[kv, ids[token // block_size], token % block_size] = packed[layer, kv, token]
