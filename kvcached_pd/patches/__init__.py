@@ -1,0 +1,33 @@
+"""The patch table: every runtime change kvcached-pd makes, in the order applied.
+
+Each entry is one module with ``patch()``, ``unpatch()``, ``is_patched()`` and its
+vLLM range; activation only walks this table. Order matters where two hooks fire on
+the same import: kvcached's own NIXL patch is neutralised before kvcached-pd's NIXL
+hooks go in.
+"""
+
+from __future__ import annotations
+
+from kvcached_pd.patches.base import Patch
+from kvcached_pd.patches.connector_guard import ConnectorGuardPatch
+from kvcached_pd.patches.kvcached_alloc import KvcachedAllocPatch
+from kvcached_pd.patches.kvcached_coexistence import KvcachedCoexistencePatch
+from kvcached_pd.patches.nixl_layout import NixlLayoutPatch
+from kvcached_pd.patches.nixl_registration import NixlRegistrationPatch
+
+PATCHES: tuple[Patch, ...] = (
+    KvcachedCoexistencePatch(),
+    ConnectorGuardPatch(),
+    KvcachedAllocPatch(),
+    NixlLayoutPatch(),
+    NixlRegistrationPatch(),
+)
+
+PATCH_NAMES = frozenset(p.name for p in PATCHES)
+
+
+def get_patch(name: str) -> Patch:
+    for patch in PATCHES:
+        if patch.name == name:
+            return patch
+    raise KeyError(f"unknown patch {name!r}; known: {sorted(PATCH_NAMES)}")

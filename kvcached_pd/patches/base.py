@@ -1,0 +1,132 @@
+"""What every patch has: a target, a version range, patch/unpatch/is_patched.
+
+Restoring exactly matters: ``patch()`` records the raw object found in the owning
+class's ``__dict__`` (a ``classmethod`` object stays a ``classmethod``) and
+``unpatch()`` puts that very object back, but only where the installed object is still
+ours, so a later patcher's work is never clobbered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcached_pd.versions import VersionRange, installed_version
+
+logger = logging.getLogger("kvcached_pd")
+
+_MISSING = object()
+MARK = "__kvcached_pd_patch__"
+
+
+@dataclass
+class _Replacement:
+    owner: Any
+    attr: str
+    original: Any  # raw object from vars(owner), or _MISSING
+    installed: Any
+
+
+class Patch:
+    """One patched target. Subclasses set the class attributes and ``_apply``."""
+
+    name: str = ""
+    summary: str = ""
+    target_module: str = ""
+    vllm_range: VersionRange | None = None  # None: not tied to vLLM's version
+    # fail_closed: a failure to apply stops startup (the KV would move wrongly without
+    # it); otherwise a failure logs one warning and vLLM runs unpatched.
+    fail_closed: bool = True
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._replacements: list[_Replacement] = []
+
+    # -- public API -------------------------------------------------------------
+    def applies(self, vllm_version: str | None = None) -> tuple[bool, str]:
+        """Whether this patch is meant for the installed vLLM, and why (not)."""
+        if self.vllm_range is None:
+            return True, "not tied to a vLLM version"
+        version = vllm_version or installed_version("vllm")
+        if version is None:
+            return False, "vLLM is not installed"
+        if self.vllm_range.contains(version):
+            return True, f"vLLM {version} is in {self.vllm_range}"
+        return False, f"vLLM {version} is outside {self.vllm_range}"
+
+    def patch(self) -> bool:
+        """Apply; idempotent. Returns True if this call changed anything."""
+        with self._lock:
+            if self._replacements:
+                logger.debug("kvcached-pd: %s already patched", self.name)
+                return False
+            try:
+                self._apply()
+            except BaseException:
+                self._undo()
+                raise
+            logger.debug("kvcached-pd: patched %s", self.name)
+            return True
+
+    def unpatch(self) -> bool:
+        """Restore exactly what was there; idempotent."""
+        with self._lock:
+            if not self._replacements:
+                return False
+            self._undo()
+            logger.debug("kvcached-pd: unpatched %s", self.name)
+            return True
+
+    def is_patched(self) -> bool:
+        with self._lock:
+            return bool(self._replacements) and all(
+                vars(r.owner).get(r.attr, _MISSING) is r.installed for r in self._replacements
+            )
+
+    # -- for subclasses ---------------------------------------------------------
+    def _apply(self) -> None:
+        raise NotImplementedError
+
+    def _replace(self, owner: Any, attr: str, new: Any) -> None:
+        """Install ``new`` as ``owner.attr``, remembering the raw original."""
+        original = vars(owner).get(attr, _MISSING)
+        target = new.__func__ if isinstance(new, (classmethod, staticmethod)) else new
+        try:
+            setattr(target, MARK, self.name)
+        except (AttributeError, TypeError):
+            pass
+        setattr(owner, attr, new)
+        self._replacements.append(_Replacement(owner, attr, original, new))
+
+    def _undo(self) -> None:
+        for rep in reversed(self._replacements):
+            current = vars(rep.owner).get(rep.attr, _MISSING)
+            if current is not rep.installed:
+                logger.warning(
+                    "kvcached-pd: %s.%s was replaced by someone else after %s patched it;"
+                    " leaving it alone",
+                    getattr(rep.owner, "__qualname__", rep.owner),
+                    rep.attr,
+                    self.name,
+                )
+                continue
+            if rep.original is _MISSING:
+                delattr(rep.owner, rep.attr)
+            else:
+                setattr(rep.owner, rep.attr, rep.original)
+        self._replacements.clear()
+
+
+def defining_class(cls: type, attr: str) -> type:
+    """The class in ``cls``'s MRO whose own ``__dict__`` holds ``attr``."""
+    for klass in cls.__mro__:
+        if attr in vars(klass):
+            return klass
+    raise AttributeError(f"{cls.__qualname__} has no attribute {attr!r}")
+
+
+def is_ours(obj: Any) -> bool:
+    target = obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
+    return getattr(target, MARK, None) is not None

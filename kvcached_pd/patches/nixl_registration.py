@@ -1,0 +1,280 @@
+"""NIXL registers and describes only the physical budget of kvcached's KV tensors.
+
+kvcached's tensors span a virtual reservation sized for the whole GPU (e.g. 286 272
+blocks on an H200) while vLLM's scheduler only hands out ids below
+``kv_cache_config.num_blocks`` (84 330 there). vLLM's NIXL worker checks the tensors'
+block dimension against that budget (``!=`` up to 0.28, ``<`` from 0.30) and, from
+0.30, registers the tensors' whole storage. kvcached 0.1.6 answered the check by
+raising ``num_blocks`` to the virtual count, which registers and describes the whole
+reservation (3.4x the descriptors, and memory that may never be mapped).
+
+Here, instead, ``register_kv_caches`` is handed each kvcached tensor *narrowed* to
+the budget along its block dimension (same address, same strides, fewer blocks), so
+every version's check passes with vLLM's own ``num_blocks``; and while vLLM registers,
+its NIXL wrapper is watched: registered ranges over kvcached memory are clipped to
+the bytes those narrowed views cover, and every local descriptor must fall inside
+them, or registration stops with an error.
+
+Refused loudly (never mis-strided): tensors kvcached-pd has no geometry for, a budget
+that disagrees with the geometry kvcached created, hybrid/mamba models, head-major
+layouts, and kvcached's split-half memory behind blocks-first shapes (vLLM would
+read K and V as interleaved within a block).
+
+Fail-closed. Hooked on the deepest NIXL class that defines ``register_kv_caches``
+(``NixlConnectorWorker`` up to 0.23, ``NixlBaseConnectorWorker`` from 0.24, which the
+push worker reaches through ``super()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from kvcached_pd import vllm_nixl
+from kvcached_pd.config import kvcached_enabled
+from kvcached_pd.errors import LayoutMismatch, UnsupportedConfiguration
+from kvcached_pd.kv_spans import Span, clip_to, merge_spans, overlaps, physical_spans, within
+from kvcached_pd.patches.base import Patch
+from kvcached_pd.patches.nixl_layout import HEAD_MAJOR_LAYOUTS
+from kvcached_pd.registry import REGISTRY
+from kvcached_pd.versions import SUPPORTED_VLLM
+
+logger = logging.getLogger("kvcached_pd")
+
+ATTR = "register_kv_caches"
+
+
+@dataclass
+class RegistrationPlan:
+    """What vLLM will be asked to register, and which bytes it may cover."""
+
+    kv_caches: dict[str, Any]
+    budget_blocks: int
+    allowed: list[Span] = field(default_factory=list)  # physical bytes of kvcached tensors
+    virtual: list[Span] = field(default_factory=list)  # the whole kvcached reservations
+    virtual_blocks: int = 0
+    registered: list[Span] = field(default_factory=list)
+    num_descs_checked: int = 0
+
+
+def physical_budget(worker: Any) -> int:
+    """Blocks (at kernel granularity) vLLM's scheduler may address in each tensor."""
+    ratio = int(getattr(worker, "_physical_blocks_per_logical_kv_block", 1) or 1)
+    budget = int(worker.kv_cache_config.num_blocks) * ratio
+    if int(worker.num_blocks) != budget:
+        raise UnsupportedConfiguration(
+            f"NIXL worker num_blocks={worker.num_blocks} differs from the physical budget "
+            f"kv_cache_config.num_blocks x {ratio} = {budget}: another patch changed it "
+            "(kvcached's own nixl_connector_compat?). kvcached-pd must be the only layer "
+            "patching NixlConnector; see `kvcached-pd doctor`."
+        )
+    return budget
+
+
+def _is_split_half_blocks_first(t: Any) -> bool:
+    """(N, 2, bs, H, D) whose V block does not follow its K block in memory."""
+    if t.dim() != 5 or t.shape[1] != 2:
+        return False
+    return t.stride(1) != math.prod(t.shape[2:])
+
+
+def plan_registration(worker: Any, kv_caches: dict[str, Any]) -> RegistrationPlan:
+    if getattr(worker, "_has_mamba", False):
+        raise UnsupportedConfiguration(
+            "kvcached-pd cannot describe hybrid/mamba KV caches to NIXL (state tensors "
+            "share kvcached pages with attention blocks). Run this model without "
+            "ENABLE_KVCACHED, or without a NIXL connector."
+        )
+    layout = str(getattr(worker, "kv_cache_layout", "NHD") or "NHD").upper()
+    if layout in HEAD_MAJOR_LAYOUTS:
+        raise UnsupportedConfiguration(
+            f"the KV cache layout resolved to {layout}; kvcached tensors are NHD only. "
+            "Unset VLLM_KV_CACHE_LAYOUT, or pick an attention backend that runs NHD "
+            "(--attention-backend FLASH_ATTN)."
+        )
+    budget = physical_budget(worker)
+    plan = RegistrationPlan(kv_caches={}, budget_blocks=budget)
+    for name, cache in kv_caches.items():
+        if not hasattr(cache, "data_ptr"):
+            raise LayoutMismatch(
+                f"layer {name}: KV cache entry of type {type(cache).__name__} is not a "
+                "tensor; kvcached-pd registers attention tensors only"
+            )
+        geometry = REGISTRY.lookup(cache)
+        if geometry is None:
+            raise LayoutMismatch(
+                f"layer {name}: tensor shape={tuple(cache.shape)} stride={tuple(cache.stride())}"
+                f" at 0x{cache.data_ptr():x} was not created by kvcached's alloc_kv_cache "
+                "as far as kvcached-pd knows, so its physical budget is unknown. Is the "
+                "kvcached_alloc patch disabled (KVCACHED_PD_DISABLE)?"
+            )
+        if geometry.physical_blocks != budget:
+            raise LayoutMismatch(
+                f"layer {name}: kvcached created it for {geometry.physical_blocks} blocks "
+                f"but the NIXL worker's budget is {budget}; refusing to guess which is right"
+            )
+        if _is_split_half_blocks_first(cache):
+            raise LayoutMismatch(
+                f"layer {name}: blocks-first shape {tuple(cache.shape)} over kvcached's "
+                f"split-half memory (stride {tuple(cache.stride())}): vLLM's NIXL worker "
+                "would read K and V as interleaved within each block and corrupt them. "
+                "Use an attention backend with a K/V-first or packed KV shape "
+                "(FLASH_ATTN), or vLLM >= 0.26."
+            )
+        narrowed = cache.narrow(geometry.blocks_dim, 0, budget)
+        plan.kv_caches[name] = narrowed
+        plan.allowed.extend(physical_spans(narrowed))
+        plan.virtual.extend(physical_spans(cache))
+        plan.virtual_blocks = max(plan.virtual_blocks, geometry.virtual_blocks)
+    plan.allowed = merge_spans(plan.allowed)
+    plan.virtual = merge_spans(plan.virtual)
+    return plan
+
+
+def _is_plain(descs: Any) -> bool:
+    """Python-side descriptor data (list of tuples, numpy array), not a NIXL list object.
+
+    NIXL's own ``register_memory``/``initialize_xfer`` call ``get_*_descs`` again with
+    the already-built ``nixlRegDList``/``nixlXferDList``; those pass through untouched.
+    """
+    return isinstance(descs, (list, tuple)) or type(descs).__module__ == "numpy"
+
+
+def _rows(descs: Any) -> list[tuple]:
+    """NIXL descriptor lists come as lists of tuples or N x 3/4 numpy arrays."""
+    if hasattr(descs, "tolist"):
+        return [tuple(r) for r in descs.tolist()]
+    return [tuple(r) for r in descs]
+
+
+def _clip_registration(descs: Any, plan: RegistrationPlan) -> Any:
+    """Rewrite (addr, len, dev, name) rows over kvcached memory to its physical bytes."""
+    if not _is_plain(descs):
+        return descs
+    rows = _rows(descs)
+    out = []
+    for row in rows:
+        addr, length = int(row[0]), int(row[1])
+        span = (addr, addr + length)
+        if not overlaps(span, plan.virtual):
+            out.append(row)
+            continue
+        pieces = clip_to(span, plan.allowed)
+        if not pieces:
+            raise LayoutMismatch(
+                f"NIXL registration 0x{addr:x}+{length} covers kvcached memory but none "
+                "of its physical budget"
+            )
+        for s, e in pieces:
+            out.append((s, e - s, *row[2:]))
+            plan.registered.append((s, e))
+    if hasattr(descs, "tolist") and not isinstance(descs, list):
+        import numpy as np
+
+        return np.array(out, dtype=descs.dtype) if out else descs[:0]
+    return out
+
+
+def _check_descs(descs: Any, plan: RegistrationPlan) -> None:
+    """Every local descriptor into kvcached memory must lie in the physical budget."""
+    import numpy as np
+
+    if not _is_plain(descs):
+        return
+    arr = np.asarray(_rows(descs) if not hasattr(descs, "shape") else descs, dtype=np.uint64)
+    if arr.size == 0:
+        return
+    starts, ends = arr[:, 0], arr[:, 0] + arr[:, 1]
+    in_virtual = np.zeros(len(arr), dtype=bool)
+    for a, b in plan.virtual:
+        in_virtual |= (starts < b) & (ends > a)
+    ok = np.zeros(len(arr), dtype=bool)
+    for a, b in plan.allowed:
+        ok |= (starts >= a) & (ends <= b)
+    bad = in_virtual & ~ok
+    plan.num_descs_checked += int(in_virtual.sum())
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise LayoutMismatch(
+            f"NIXL descriptor 0x{int(starts[i]):x}+{int(arr[i, 1])} reaches kvcached memory "
+            f"outside the physical budget of {plan.budget_blocks} blocks; refusing to "
+            "register a layout that would move the wrong bytes"
+        )
+
+
+@contextlib.contextmanager
+def _watch_nixl_wrapper(worker: Any, plan: RegistrationPlan) -> Iterator[None]:
+    wrapper = worker.nixl_wrapper
+    real_reg = wrapper.get_reg_descs
+    real_xfer = wrapper.get_xfer_descs
+
+    def get_reg_descs(descs, *args, **kwargs):
+        return real_reg(_clip_registration(descs, plan), *args, **kwargs)
+
+    def get_xfer_descs(descs, *args, **kwargs):
+        _check_descs(descs, plan)
+        return real_xfer(descs, *args, **kwargs)
+
+    wrapper.get_reg_descs = get_reg_descs
+    wrapper.get_xfer_descs = get_xfer_descs
+    try:
+        yield
+    finally:
+        for attr, real in (("get_reg_descs", real_reg), ("get_xfer_descs", real_xfer)):
+            try:
+                del wrapper.__dict__[attr]
+            except (KeyError, AttributeError, TypeError):
+                setattr(wrapper, attr, real)
+
+
+def _make_register_hook(original):
+    @functools.wraps(original)
+    def register_kv_caches(self, kv_caches, *args, **kwargs):
+        if not kvcached_enabled():
+            return original(self, kv_caches, *args, **kwargs)
+        plan = plan_registration(self, kv_caches)
+        with _watch_nixl_wrapper(self, plan):
+            result = original(self, plan.kv_caches, *args, **kwargs)
+        registered = merge_spans(plan.registered) or plan.allowed
+        record = {
+            "engine_id": str(getattr(self, "engine_id", "")),
+            "tp_rank": int(getattr(self, "tp_rank", 0)),
+            "budget_blocks": plan.budget_blocks,
+            "virtual_blocks": plan.virtual_blocks,
+            "registered_bytes": sum(e - s for s, e in registered),
+            "virtual_bytes": sum(e - s for s, e in plan.virtual),
+            "num_layers": len(plan.kv_caches),
+            "num_descs_checked": plan.num_descs_checked,
+        }
+        REGISTRY.note_registration(record)
+        logger.info(
+            "kvcached-pd: NIXL registered the physical budget: %d of %d virtual blocks, "
+            "%.1f of %.1f MiB, %d local descriptors checked",
+            plan.budget_blocks,
+            plan.virtual_blocks,
+            record["registered_bytes"] / 2**20,
+            record["virtual_bytes"] / 2**20,
+            plan.num_descs_checked,
+        )
+        return result
+
+    return register_kv_caches
+
+
+class NixlRegistrationPatch(Patch):
+    name = "nixl_registration"
+    summary = "NIXL registers kvcached tensors' physical budget (kv_cache_config.num_blocks), not the virtual reservation"
+    target_module = vllm_nixl.NIXL_PACKAGE
+    vllm_range = SUPPORTED_VLLM
+    fail_closed = True
+
+    def _apply(self) -> None:
+        owners = vllm_nixl.nixl_owners(vllm_nixl.worker_classes(), ATTR, base_most=True)
+        if not owners:
+            raise AttributeError(f"no NIXL worker class in {vllm_nixl.NIXL_PACKAGE} defines {ATTR}")
+        for owner in owners:
+            self._replace(owner, ATTR, _make_register_hook(vars(owner)[ATTR]))

@@ -1,0 +1,158 @@
+"""Geometry of every KV cache tensor kvcached creates in this process.
+
+The original patch (../shared/seeds/000) passed the block budget through a module
+global of kvcached's, which holds one value per process; its review objected that
+several engines or KV-cache groups overwrite each other. This registry keeps one
+record per tensor instead, keyed by (allocation, KV-cache group, layer) and looked up
+by the tensor's address, so a registration can check each tensor it is handed
+against what was actually created for it.
+
+Filled by the ``kvcached_alloc`` patch (wrapping kvcached's ``alloc_kv_cache``), read
+by the ``nixl_registration`` patch and by ``kvcached-pd doctor``. Imports torch only
+when a tensor is described.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+STATE_DIR_ENV = "KVCACHED_PD_STATE_DIR"
+
+
+@dataclass(frozen=True)
+class KVCacheGeometry:
+    """One layer's KV cache tensor as created by kvcached, in kernel blocks."""
+
+    allocation: str  # "<pid>:<n>": one alloc_kv_cache call = one engine's KV-cache group
+    group_id: int
+    layer_index: int
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    element_size: int
+    blocks_dim: int  # which dim of ``shape`` counts blocks
+    virtual_blocks: int  # size of that dim: kvcached's virtual reservation
+    physical_blocks: int  # what vLLM asked for (its kv_cache_config budget), kernel blocks
+    block_size: int  # tokens per logical block
+    kernel_block_size: int  # tokens per kernel block (== block_size unless vLLM splits)
+    kv_layout: str  # "NHD" or "HND" as requested from kvcached
+    attention_type: str
+
+    @property
+    def block_stride_bytes(self) -> int:
+        return self.stride[self.blocks_dim] * self.element_size
+
+    def key(self) -> tuple[str, int, int]:
+        return (self.allocation, self.group_id, self.layer_index)
+
+
+class GeometryRegistry:
+    """Thread-safe map from tensor address to the geometry kvcached created there."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_ptr: dict[int, KVCacheGeometry] = {}
+        self._registrations: list[dict[str, Any]] = []
+        self._counter = itertools.count()
+
+    def new_allocation_id(self) -> str:
+        return f"{os.getpid()}:{next(self._counter)}"
+
+    def record(self, geometry: KVCacheGeometry) -> None:
+        with self._lock:
+            # A new allocation at an address replaces whatever was recorded there
+            # before (a re-initialised engine reuses its reservation).
+            self._by_ptr[geometry.data_ptr] = geometry
+
+    def forget_allocation(self, allocation: str) -> None:
+        with self._lock:
+            for ptr in [p for p, g in self._by_ptr.items() if g.allocation == allocation]:
+                del self._by_ptr[ptr]
+
+    def lookup(self, tensor: Any) -> KVCacheGeometry | None:
+        """The record for a tensor with this address and shape, if kvcached made it."""
+        with self._lock:
+            geometry = self._by_ptr.get(int(tensor.data_ptr()))
+        if geometry is None:
+            return None
+        if tuple(tensor.shape) != geometry.shape or tuple(tensor.stride()) != geometry.stride:
+            return None  # another view at the same address: not the tensor kvcached made
+        return geometry
+
+    def geometries(self) -> list[KVCacheGeometry]:
+        with self._lock:
+            return sorted(self._by_ptr.values(), key=KVCacheGeometry.key)
+
+    def note_registration(self, record: dict[str, Any]) -> None:
+        """Remember (and publish for the doctor) what a NIXL registration covered."""
+        with self._lock:
+            self._registrations.append(record)
+        _publish(self.snapshot())
+
+    def registrations(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._registrations)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "geometries": [asdict(g) for g in self.geometries()],
+            "registrations": self.registrations(),
+        }
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_ptr.clear()
+            self._registrations.clear()
+
+
+REGISTRY = GeometryRegistry()
+
+
+def state_dir() -> str:
+    return os.environ.get(STATE_DIR_ENV) or os.path.join(
+        tempfile.gettempdir(), f"kvcached-pd-{os.getuid()}"
+    )
+
+
+def _publish(snapshot: dict[str, Any]) -> None:
+    """Write this process's snapshot where ``kvcached-pd doctor`` looks; best effort."""
+    try:
+        directory = state_dir()
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{snapshot['pid']}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(snapshot, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def live_snapshots() -> Iterable[dict[str, Any]]:
+    """Snapshots published by processes that are still running."""
+    directory = state_dir()
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".json"):
+            continue
+        try:
+            pid = int(name[: -len(".json")])
+            os.kill(pid, 0)
+        except (ValueError, ProcessLookupError, PermissionError):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    return out

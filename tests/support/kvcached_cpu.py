@@ -1,0 +1,63 @@
+"""Run kvcached's real ``alloc_kv_cache`` on the CPU.
+
+kvcached's Python view-building code (split-half strides, packed K|V views, kernel
+blocks) is what decides the layout NIXL must describe, so tests use it as is. Only
+what a CPU cannot run is replaced: the compiled ``kvcached.vmm_ops`` (CUDA virtual
+memory) becomes a stand-in whose ``create_kv_tensors`` returns one zeroed host
+buffer per layer as the "virtual reservation", and ``torch.cuda`` reports a small
+device. ``posix_ipc`` (kvcached's cross-process IPC) is stubbed likewise.
+
+kvcached is not pip-installable without a CUDA torch; the tests read its source
+archive, unpacked by ``tests/support/fetch_kvcached.py`` into ``KVCACHED_SRC``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import types
+from unittest import mock
+
+import torch
+
+DEFAULT_SRC = os.path.join(os.path.dirname(__file__), "..", "..", ".cache", "kvcached-0.1.6")
+
+
+def kvcached_src() -> str:
+    return os.path.abspath(os.environ.get("KVCACHED_SRC", DEFAULT_SRC))
+
+
+def available() -> bool:
+    return os.path.isfile(os.path.join(kvcached_src(), "kvcached", "__init__.py"))
+
+
+def _host_create_kv_tensors(size, dtype_size, device, num_layers, num_kv_buffers=2,
+                            group_id=0, unified_pool=False):
+    return [torch.zeros(size, dtype=torch.uint8) for _ in range(num_layers)]
+
+
+def install_stand_ins() -> None:
+    """Make kvcached's pure-Python modules importable on a CPU machine."""
+    src = kvcached_src()
+    if src not in sys.path:
+        sys.path.insert(0, src)
+    if not isinstance(sys.modules.get("kvcached.vmm_ops"), mock.MagicMock):
+        vmm = mock.MagicMock(name="kvcached.vmm_ops (CPU stand-in)")
+        vmm.create_kv_tensors = _host_create_kv_tensors
+        sys.modules["kvcached.vmm_ops"] = vmm
+    sys.modules.setdefault("posix_ipc", mock.MagicMock(name="posix_ipc (stand-in)"))
+
+
+@contextlib.contextmanager
+def fake_device(total_memory: int = 64 << 20):
+    """kvcached sizes its virtual reservation from the device's total memory."""
+    import kvcached.integration.vllm.interfaces as kvi
+
+    props = types.SimpleNamespace(total_memory=total_memory)
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+         mock.patch.object(torch.cuda, "get_device_properties", return_value=props), \
+         mock.patch.object(kvi, "normalize_gpu_device", side_effect=lambda d: d), \
+         mock.patch.object(kvi, "_kvcached_initialized", True), \
+         mock.patch.object(kvi, "_contiguous_layout", False):
+        yield kvi

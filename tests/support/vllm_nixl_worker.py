@@ -1,0 +1,188 @@
+"""Build vLLM's real NIXL connector worker on the CPU.
+
+Everything here is vLLM's own: ``VllmConfig`` from a tiny local Llama config (no
+weights, no hub), a one-process gloo group, the real ``NixlConnectorWorker`` with a
+real NIXL agent (UCX) registering host memory (``kv_buffer_device="cpu"``, memory type
+DRAM). The one thing replaced is vLLM's attention-backend lookup, which on a CPU
+machine would answer the CPU backend: tests pick the GPU backend whose KV shape they
+want to check, as vLLM's own NIXL unit tests do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Iterator
+from unittest import mock
+
+import torch
+
+NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+
+
+def write_tiny_llama(path: str, num_layers: int = 3, num_kv_heads: int = 2, head_dim: int = 64) -> str:
+    os.makedirs(path, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": num_kv_heads * 2 * head_dim, "intermediate_size": 256,
+        "num_attention_heads": num_kv_heads * 2, "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim, "num_hidden_layers": num_layers, "vocab_size": 512,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "float16",
+        "tie_word_embeddings": True,
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def make_vllm_config(model_dir: str, block_size: int = 16, kv_role: str = "kv_both",
+                     connector: str = "NixlConnector"):
+    from vllm.config import (
+        CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig,
+    )
+
+    model_config = ModelConfig(model=model_dir, dtype="float16", skip_tokenizer_init=True)
+    kv_transfer_config = KVTransferConfig(
+        kv_connector=connector, kv_role=kv_role, kv_buffer_device="cpu",
+    )
+    return VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=block_size),
+        kv_transfer_config=kv_transfer_config,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+_DIST_READY = False
+
+
+def ensure_distributed(vllm_config) -> None:
+    """One-process gloo group, once per test process (vLLM keeps it global)."""
+    global _DIST_READY
+    if _DIST_READY:
+        return
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    store = tempfile.mktemp(prefix="kvcached-pd-dist-")
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(
+            world_size=1, rank=0, distributed_init_method=f"file://{store}",
+            local_rank=0, backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+    _DIST_READY = True
+
+
+def attention_backend(name: str):
+    if name == "FLASH_ATTN":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend as cls
+    elif name == "TRITON_ATTN":
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend as cls
+    elif name == "FLASHINFER":
+        from vllm.v1.attention.backends.flashinfer import FlashInferBackend as cls
+    else:
+        raise ValueError(name)
+    return cls
+
+
+def kv_cache_config(layer_names: list[str], num_blocks: int, block_size: int,
+                    num_kv_heads: int, head_dim: int, dtype=torch.float16):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
+                             head_size=head_dim, dtype=dtype)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])
+
+
+def vllm_kv_shape(backend, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+    """The shape vLLM asks kvcached for, as its GPU model runner would."""
+    return tuple(backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim))
+
+
+@contextlib.contextmanager
+def backend_lookup(backend) -> Iterator[None]:
+    """Answer vLLM's attention-backend lookups with ``backend`` (the CPU has none),
+    and its platform lookups with vLLM's CPU platform."""
+    import importlib
+
+    patches = []
+    for module_name in (f"{NIXL}.connector", f"{NIXL}.worker", f"{NIXL}.base_worker",
+                        "vllm.distributed.kv_transfer.kv_connector.utils"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for attr, value in (("get_current_attn_backends", [backend]),
+                            ("get_current_attn_backend", backend)):
+            if hasattr(module, attr):
+                patches.append(mock.patch.object(module, attr, return_value=value))
+        if "current_platform" in vars(module):
+            # vLLM's CUDA wheel on a machine without a GPU detects no platform; the
+            # worker then refuses its device type. Use vLLM's own CPU platform.
+            from vllm.platforms.cpu import CpuPlatform
+
+            patches.append(mock.patch.object(module, "current_platform", CpuPlatform()))
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
+
+
+@dataclass
+class RecordedNixlCalls:
+    """What the real NIXL agent was asked to register and describe."""
+
+    reg: list[tuple] 
+    xfer: list[Any]
+
+
+@contextlib.contextmanager
+def record_nixl_calls(worker) -> Iterator[RecordedNixlCalls]:
+    """Spy (not fake) on the worker's real NIXL agent."""
+    import numpy as np
+
+    rec = RecordedNixlCalls(reg=[], xfer=[])
+    agent = worker.nixl_wrapper
+    real_reg, real_xfer = agent.get_reg_descs, agent.get_xfer_descs
+
+    def plain(descs) -> bool:  # NIXL re-enters with its own list objects: skip those
+        return isinstance(descs, (list, tuple)) or type(descs).__module__ == "numpy"
+
+    def get_reg_descs(descs, *a, **k):
+        if plain(descs):
+            rows = descs.tolist() if hasattr(descs, "tolist") else descs
+            rec.reg.extend((int(r[0]), int(r[1]), int(r[2])) for r in rows)
+        return real_reg(descs, *a, **k)
+
+    def get_xfer_descs(descs, *a, **k):
+        if plain(descs):
+            rows = descs.tolist() if hasattr(descs, "tolist") else descs
+            rec.xfer.append(np.array([(r[0], r[1], r[2]) for r in rows], dtype=np.uint64))
+        return real_xfer(descs, *a, **k)
+
+    agent.get_reg_descs, agent.get_xfer_descs = get_reg_descs, get_xfer_descs
+    try:
+        yield rec
+    finally:
+        agent.get_reg_descs, agent.get_xfer_descs = real_reg, real_xfer
+
+
+def make_worker(vllm_config, kv_cache_config, push: bool = False):
+    """The real NIXL connector worker vLLM would build (pull, or push from 0.24)."""
+    import importlib
+
+    from vllm.config import set_current_vllm_config
+
+    package = importlib.import_module(NIXL)
+    cls = getattr(package, "NixlPushConnectorWorker") if push else package.NixlConnectorWorker
+    affinity = os.sched_getaffinity(0)
+    try:
+        with set_current_vllm_config(vllm_config):
+            return cls(vllm_config, f"engine-{os.getpid()}", kv_cache_config=kv_cache_config)
+    finally:
+        os.sched_setaffinity(0, affinity)  # the CPU platform pins a core for NIXL
