@@ -10,17 +10,20 @@ from __future__ import annotations
 
 from kvcached_pd.patches.base import Patch
 from kvcached_pd.patches.connector_guard import ConnectorGuardPatch
-from kvcached_pd.patches.kvcached_alloc import KvcachedAllocPatch
+from kvcached_pd.patches.kvcached_alloc import KvcachedAllocPatch, KvcachedMrv2AllocPatch
 from kvcached_pd.patches.kvcached_coexistence import KvcachedCoexistencePatch
 from kvcached_pd.patches.nixl_layout import NixlLayoutPatch
 from kvcached_pd.patches.nixl_registration import NixlRegistrationPatch
+from kvcached_pd.patches.corrupt_received_kv import CorruptReceivedKVPatch
 
 PATCHES: tuple[Patch, ...] = (
     KvcachedCoexistencePatch(),
     ConnectorGuardPatch(),
     KvcachedAllocPatch(),
+    KvcachedMrv2AllocPatch(),
     NixlLayoutPatch(),
     NixlRegistrationPatch(),
+    CorruptReceivedKVPatch(),
 )
 
 PATCH_NAMES = frozenset(p.name for p in PATCHES)

@@ -104,3 +104,62 @@ class KvcachedAllocPatch(Patch):
     def _apply(self) -> None:
         module = importlib.import_module(TARGET)
         self._replace(module, "alloc_kv_cache", _bind(module.alloc_kv_cache))
+
+
+MRV2_TARGET = "kvcached.integration.vllm.model_runner_v2"
+
+
+def record_mrv2_caches(caches: dict[str, Any], num_blocks: int) -> list[KVCacheGeometry]:
+    """Describe the per-layer views kvcached's model-runner-V2 path built (vLLM 0.29+).
+
+    There vLLM's own ``create_kv_cache_views`` sizes each view's block dimension to
+    the budget already; what is virtual is the storage under it (one reservation
+    per pool), which vLLM 0.30's NIXL worker registers whole.
+    """
+    allocation = REGISTRY.new_allocation_id()
+    out = []
+    for layer_index, (name, tensor) in enumerate(caches.items()):
+        block_stride_bytes = tensor.stride(0) * tensor.element_size()
+        storage_bytes = tensor.untyped_storage().nbytes()
+        geometry = KVCacheGeometry(
+            allocation=allocation,
+            group_id=0,
+            layer_index=layer_index,
+            data_ptr=int(tensor.data_ptr()),
+            shape=tuple(tensor.shape),
+            stride=tuple(tensor.stride()),
+            dtype=str(tensor.dtype).replace("torch.", ""),
+            element_size=tensor.element_size(),
+            blocks_dim=0,
+            virtual_blocks=storage_bytes // block_stride_bytes if block_stride_bytes else 0,
+            physical_blocks=int(tensor.shape[0]),
+            block_size=0,
+            kernel_block_size=0,
+            kv_layout="NHD",
+            attention_type="MHA",
+        )
+        REGISTRY.record(geometry)
+        out.append(geometry)
+    return out
+
+
+def _bind_mrv2(original):
+    @functools.wraps(original)
+    def allocate_kv_cache(config, *args, **kwargs):
+        caches = original(config, *args, **kwargs)
+        record_mrv2_caches(caches, int(config.num_blocks))
+        return caches
+
+    return allocate_kv_cache
+
+
+class KvcachedMrv2AllocPatch(Patch):
+    name = "kvcached_alloc_mrv2"
+    summary = "record kvcached's model-runner-V2 KV views (vLLM 0.29+) and their virtual storage"
+    target_module = MRV2_TARGET
+    vllm_range = None
+    fail_closed = False
+
+    def _apply(self) -> None:
+        module = importlib.import_module(MRV2_TARGET)
+        self._replace(module, "allocate_kv_cache", _bind_mrv2(module.allocate_kv_cache))

@@ -172,6 +172,16 @@ def record_nixl_calls(worker) -> Iterator[RecordedNixlCalls]:
         agent.get_reg_descs, agent.get_xfer_descs = real_reg, real_xfer
 
 
+def forget_resolved_layout() -> None:
+    """vLLM <= 0.28 caches the KV layout per process (``get_kv_cache_layout``)."""
+    try:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+    except ImportError:
+        return
+    if hasattr(get_kv_cache_layout, "cache_clear"):
+        get_kv_cache_layout.cache_clear()
+
+
 def make_worker(vllm_config, kv_cache_config, push: bool = False):
     """The real NIXL connector worker vLLM would build (pull, or push from 0.24)."""
     import importlib

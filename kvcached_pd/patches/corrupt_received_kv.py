@@ -1,0 +1,85 @@
+"""Test-only negative control: the decode side damages KV it just received.
+
+With ``KVCACHED_PD_TEST_CORRUPT=1`` (and only then), each time the decode side's pull
+worker reports a request's KV as received, the first received block of every layer is
+negated in place. The equivalence harness runs a mode with this switch and must
+report a difference; if it does not, the harness cannot tell a broken transfer from
+a good one and its other verdicts mean nothing.
+
+Never enabled by default; the patch is not even armed unless the switch is set.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from kvcached_pd import config, vllm_nixl
+from kvcached_pd.patches.base import Patch
+from kvcached_pd.versions import SUPPORTED_VLLM
+
+logger = logging.getLogger("kvcached_pd")
+
+ATTR = "get_finished"
+
+
+def _first_block_id(local_block_ids: Any) -> int | None:
+    ids = local_block_ids
+    while isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple)):
+        ids = ids[0]  # one list per KV-cache group: take the first group's
+    return int(ids[0]) if ids else None
+
+
+def corrupt_block(worker: Any, block_id: int) -> int:
+    """Negate kernel block ``block_id`` in every registered layer; returns layers hit."""
+    ratio = int(getattr(worker, "_physical_blocks_per_logical_kv_block", 1) or 1)
+    kernel_block = block_id * ratio
+    hit = 0
+    for cache in getattr(worker, "device_kv_caches", {}).values():
+        dims = [d for d in range(cache.dim()) if cache.shape[d] == worker.num_blocks]
+        if not dims:
+            continue
+        cache.narrow(dims[0], kernel_block, 1).neg_()
+        hit += 1
+    return hit
+
+
+def _make_hook(original):
+    @functools.wraps(original)
+    def get_finished(self, *args, **kwargs):
+        pending = dict(getattr(self, "_recving_metadata", {}) or {})
+        done_sending, done_recving = original(self, *args, **kwargs)
+        for req_id in done_recving or ():
+            meta = pending.get(req_id)
+            block = _first_block_id(getattr(meta, "local_block_ids", None)) if meta else None
+            if block is not None:
+                layers = corrupt_block(self, block)
+                logger.warning(
+                    "kvcached-pd TEST: corrupted block %d of %d layers for request %s "
+                    "(KVCACHED_PD_TEST_CORRUPT=1)", block, layers, req_id,
+                )
+        return done_sending, done_recving
+
+    return get_finished
+
+
+class CorruptReceivedKVPatch(Patch):
+    name = "corrupt_received_kv"
+    summary = "TEST ONLY (KVCACHED_PD_TEST_CORRUPT=1): negate the first received KV block"
+    target_module = vllm_nixl.NIXL_PACKAGE
+    vllm_range = SUPPORTED_VLLM
+    fail_closed = True
+
+    def applies(self, vllm_version: str | None = None) -> tuple[bool, str]:
+        if not config.read_settings(frozenset()).test_corrupt:
+            return False, f"only with {config.KVCACHED_PD_TEST_CORRUPT}=1"
+        return super().applies(vllm_version)
+
+    def _apply(self) -> None:
+        package = vllm_nixl.nixl_package()
+        owners = vllm_nixl.nixl_owners([package.NixlConnectorWorker], ATTR)
+        if not owners:
+            raise AttributeError("NixlConnectorWorker has no get_finished")
+        for owner in owners:
+            self._replace(owner, ATTR, _make_hook(vars(owner)[ATTR]))

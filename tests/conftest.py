@@ -1,0 +1,35 @@
+"""Shared fixtures: the installed vLLM's version, a clean environment per test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvcached_pd.versions import installed_version, parse_release
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+
+GATE_VARS = (
+    "ENABLE_KVCACHED", "KVCACHED_AUTOPATCH", "KVCACHED_CONTIGUOUS_LAYOUT", "KVCACHED_PD",
+    "KVCACHED_PD_DISABLE", "KVCACHED_PD_STRICT", "KVCACHED_PD_TRANSPORT",
+    "KVCACHED_PD_STAGING_MB", "KVCACHED_PD_TEST_CORRUPT", "VLLM_KV_CACHE_LAYOUT",
+)
+
+
+def vllm_release() -> tuple[int, ...]:
+    version = installed_version("vllm")
+    return parse_release(version) if version else (0, 0, 0)
+
+
+@pytest.fixture
+def kvcached_env(monkeypatch, tmp_path):
+    """The environment of a kvcached + NIXL instance as an operator would set it."""
+    for name in GATE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    monkeypatch.setenv("KVCACHED_AUTOPATCH", "1")
+    monkeypatch.setenv("KVCACHED_CONTIGUOUS_LAYOUT", "false")
+    monkeypatch.setenv("KVCACHED_PD_STATE_DIR", str(tmp_path / "state"))
+    return monkeypatch

@@ -1,0 +1,162 @@
+"""The real vLLM NIXL worker registers only kvcached's physical budget.
+
+Tensors come from kvcached's own ``alloc_kv_cache`` (its view-building code, run on
+the CPU: tests/support/kvcached_cpu.py), so their block dimension is kvcached's
+virtual capacity and, for vLLM <= 0.25's FlashAttention shape, K and V sit in two
+separate halves. The worker is vLLM's real ``NixlConnectorWorker`` with a real NIXL
+agent registering host memory; a spy records what it asked NIXL for.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from kvcached_pd.errors import LayoutMismatch, UnsupportedConfiguration
+from kvcached_pd.kv_spans import physical_spans
+from kvcached_pd.patches import get_patch
+from kvcached_pd.registry import REGISTRY
+from tests.conftest import vllm_release
+from tests.support import kvcached_cpu
+from tests.support import vllm_nixl_worker as vw
+
+pytestmark = [
+    pytest.mark.skipif(not kvcached_cpu.available(), reason="kvcached source not fetched"),
+    pytest.mark.skipif(vllm_release() >= (0, 29), reason="vLLM 0.29+: see test_nixl_registration_mrv2"),
+]
+
+BUDGET, BLOCK, HEADS, HEAD_DIM, LAYERS = 10, 16, 2, 64, 3
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+KV_BYTES_PER_BLOCK = 2 * BLOCK * HEADS * HEAD_DIM * 2  # K and V, fp16
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    model = vw.write_tiny_llama(tempfile.mkdtemp(), LAYERS, HEADS, HEAD_DIM)
+    config = vw.make_vllm_config(model, block_size=BLOCK)
+    vw.ensure_distributed(config)
+    return config
+
+
+@pytest.fixture
+def patched(kvcached_env):
+    kvcached_cpu.install_stand_ins()
+    names = ("kvcached_alloc", "nixl_layout", "nixl_registration")
+    for name in names:
+        get_patch(name).patch()
+    vw.forget_resolved_layout()
+    REGISTRY.clear()
+    yield
+    for name in names:
+        get_patch(name).unpatch()
+    vw.forget_resolved_layout()
+    REGISTRY.clear()
+
+
+def kvcached_caches(backend):
+    shape = vw.vllm_kv_shape(backend, BUDGET, BLOCK, HEADS, HEAD_DIM)
+    with kvcached_cpu.fake_device() as kvi:
+        tensors = kvi.alloc_kv_cache(shape, BLOCK, torch.float16, "cpu", LAYERS)
+    return dict(zip(LAYER_NAMES, tensors))
+
+
+def register(vllm_config, backend, caches, worker_hook=None):
+    kv_cache_config = vw.kv_cache_config(LAYER_NAMES, BUDGET, BLOCK, HEADS, HEAD_DIM)
+    with vw.backend_lookup(backend):
+        worker = vw.make_worker(vllm_config, kv_cache_config)
+        if worker_hook:
+            worker_hook(worker)
+        with vw.record_nixl_calls(worker) as calls:
+            worker.register_kv_caches(caches)
+    return worker, calls
+
+
+@pytest.mark.parametrize("backend_name", ["FLASH_ATTN", "TRITON_ATTN"])
+def test_registers_exactly_the_physical_budget(patched, vllm_config, backend_name):
+    backend = vw.attention_backend(backend_name)
+    caches = kvcached_caches(backend)
+    virtual_blocks = {REGISTRY.lookup(t).virtual_blocks for t in caches.values()}
+    assert min(virtual_blocks) > 10 * BUDGET  # kvcached really over-reserves
+
+    if vllm_release() < (0, 26) and backend_name == "TRITON_ATTN":
+        with pytest.raises(LayoutMismatch, match="split-half"):
+            register(vllm_config, backend, caches)
+        return
+
+    worker, calls = register(vllm_config, backend, caches)
+
+    # What NIXL registered: per layer, exactly the budget's bytes, at kvcached's
+    # addresses (K and V halves separately where kvcached splits them).
+    expected = []
+    for t in caches.values():
+        geometry = REGISTRY.lookup(t)
+        expected += physical_spans(t.narrow(geometry.blocks_dim, 0, BUDGET))
+    registered = sorted((a, a + n) for a, n, _ in calls.reg)
+    assert registered == sorted(expected)
+    assert sum(e - s for s, e in registered) == LAYERS * BUDGET * KV_BYTES_PER_BLOCK
+    assert worker.num_blocks == BUDGET
+
+    # What NIXL will move: one descriptor per block and region, inside the budget.
+    descs = np.concatenate(calls.xfer)
+    assert len(descs) == len(registered) * BUDGET
+    for addr, length, _ in descs.tolist():
+        assert any(s <= addr and addr + length <= e for s, e in registered)
+    assert REGISTRY.registrations()[-1]["budget_blocks"] == BUDGET
+
+
+def test_vllm_alone_refuses_kvcached_tensors(kvcached_env, vllm_config):
+    """Without kvcached-pd, vLLM's own check rejects the virtual block dimension."""
+    kvcached_cpu.install_stand_ins()
+    backend = vw.attention_backend("FLASH_ATTN")
+    caches = kvcached_caches(backend)
+    with pytest.raises(AssertionError, match="number of"):
+        register(vllm_config, backend, caches)
+
+
+def test_tensor_kvcached_did_not_create_is_refused(patched, vllm_config):
+    backend = vw.attention_backend("FLASH_ATTN")
+    caches = kvcached_caches(backend)
+    stranger = torch.zeros_like(next(iter(caches.values())))
+    caches[LAYER_NAMES[0]] = stranger
+    with pytest.raises(LayoutMismatch, match="not created by kvcached"):
+        register(vllm_config, backend, caches)
+
+
+def test_budget_disagreeing_with_kvcached_geometry_is_refused(patched, vllm_config):
+    backend = vw.attention_backend("FLASH_ATTN")
+    shape = vw.vllm_kv_shape(backend, BUDGET + 4, BLOCK, HEADS, HEAD_DIM)
+    with kvcached_cpu.fake_device() as kvi:
+        tensors = kvi.alloc_kv_cache(shape, BLOCK, torch.float16, "cpu", LAYERS)
+    with pytest.raises(LayoutMismatch, match="created it for 14 blocks"):
+        register(vllm_config, backend, dict(zip(LAYER_NAMES, tensors)))
+
+
+@pytest.mark.parametrize("flag,value,error", [
+    ("_has_mamba", True, "hybrid/mamba"),
+    ("kv_cache_layout", "HND", "NHD only"),
+])
+def test_configurations_nixl_cannot_describe_are_refused(patched, vllm_config, flag, value, error):
+    backend = vw.attention_backend("FLASH_ATTN")
+    caches = kvcached_caches(backend)
+    with pytest.raises(UnsupportedConfiguration, match=error):
+        register(vllm_config, backend, caches, lambda w: setattr(w, flag, value))
+
+
+def test_num_blocks_changed_by_another_patch_is_refused(patched, vllm_config):
+    """kvcached 0.1.6's own patch raises num_blocks to the virtual count."""
+    backend = vw.attention_backend("FLASH_ATTN")
+    caches = kvcached_caches(backend)
+    virtual = REGISTRY.lookup(next(iter(caches.values()))).virtual_blocks
+    with pytest.raises(UnsupportedConfiguration, match="another patch changed it"):
+        register(vllm_config, backend, caches, lambda w: setattr(w, "num_blocks", virtual))
+
+
+def test_gate_closed_leaves_vllm_alone(patched, vllm_config, monkeypatch):
+    monkeypatch.setenv("ENABLE_KVCACHED", "false")
+    backend = vw.attention_backend("FLASH_ATTN")
+    caches = kvcached_caches(backend)
+    with pytest.raises(AssertionError, match="number of"):
+        register(vllm_config, backend, caches)
