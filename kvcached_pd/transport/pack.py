@@ -48,11 +48,47 @@ LayerViews = KVCacheLayers | Sequence[torch.Tensor]
 BlockIds = Sequence[int] | torch.Tensor
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Widest first: the gather/scatter kernels move one element per thread step, so 8-byte
+# words move a bf16 cache with a quarter of the element count of 2-byte ones.
+_WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
     """The same memory viewed as integers of the same width (strides unchanged)."""
     return tensor.view(_SAME_WIDTH_INT[tensor.element_size()])
+
+
+def _fits_words(tensor: torch.Tensor, word: torch.dtype) -> bool:
+    """Whether ``tensor.view(word)`` is valid: torch's rules for a wider dtype, plus an
+    aligned address (a misaligned wide access faults on CUDA)."""
+    itemsize = tensor.element_size()
+    if word.itemsize % itemsize:
+        return False
+    ratio = word.itemsize // itemsize
+    return (
+        tensor.stride(-1) == 1
+        and tensor.shape[-1] % ratio == 0
+        and all(stride % ratio == 0 for stride in tensor.stride()[:-1])
+        and tensor.storage_offset() % ratio == 0
+        and tensor.data_ptr() % word.itemsize == 0
+    )
+
+
+def _widest_word(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The widest integer type every tensor can be reinterpreted as (last dim narrowed)."""
+    itemsize = tensors[0].element_size()
+    for word in _WORD_DTYPES:
+        if word.itemsize >= itemsize and all(_fits_words(t, word) for t in tensors):
+            return word
+    return _SAME_WIDTH_INT[itemsize]
+
+
+def _device_index(host_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Block ids on the cache's device without draining the stream: a copy from pageable
+    memory would block the host until all queued work (vLLM's forward too) is done."""
+    if device.type == "cuda":
+        return host_ids.pin_memory().to(device, non_blocking=True)
+    return host_ids.to(device)
 
 
 def _as_layers(layer_views: LayerViews) -> KVCacheLayers:
@@ -107,15 +143,17 @@ def pack_request(
     host_ids = _host_block_ids(block_ids, layers.num_blocks)
     num_blocks, block_size = host_ids.numel(), layers.block_size
     n_tok_slots = num_blocks * block_size
-    packed = _as_bits(packed_extent_view(out_extent, fmt, n_tok_slots))
+    packed = packed_extent_view(out_extent, fmt, n_tok_slots)
     _check_same_device(packed, layers)
-    by_block = packed.unflatten(2, (num_blocks, block_size))
-    index = host_ids.to(layers.device)
+    sources = (layers.stacked,) if layers.stacked is not None else layers.layers
+    word = _widest_word((packed, *sources))
+    by_block = packed.view(word).unflatten(2, (num_blocks, block_size))
+    index = _device_index(host_ids, layers.device)
     if layers.stacked is not None:
-        torch.index_select(_as_bits(layers.stacked), 2, index, out=by_block)
+        torch.index_select(layers.stacked.view(word), 2, index, out=by_block)
     else:
         for layer, view in enumerate(layers.layers):
-            torch.index_select(_as_bits(view), 1, index, out=by_block[layer])
+            torch.index_select(view.view(word), 1, index, out=by_block[layer])
     return n_tok_slots
 
 
@@ -146,8 +184,11 @@ def unpack_request(
             f"{num_tokens} tokens fill {needed} blocks of {block_size} tokens, "
             f"got {host_ids.numel()} block ids"
         )
-    packed = _as_bits(packed_extent_view(in_extent, fmt, src_tok_slots))
+    packed = packed_extent_view(in_extent, fmt, src_tok_slots)
     _check_same_device(packed, layers)
+    targets = (layers.stacked,) if layers.stacked is not None else layers.layers
+    word = _widest_word((packed, *targets))
+    packed = packed.view(word)
 
     # Blocks wholly covered by the extent go in one scatter; when this side's blocks are
     # larger than the packing side's, the last block may be covered only in part.
@@ -156,17 +197,17 @@ def unpack_request(
     by_block = packed[:, :, :covered].unflatten(2, (full_blocks, block_size))
     partial_tokens = src_tok_slots - covered if full_blocks < needed else 0
     partial_block = int(host_ids[-1])
-    index = host_ids[:full_blocks].to(layers.device)
+    index = _device_index(host_ids[:full_blocks], layers.device)
 
     if layers.stacked is not None:
-        stacked = _as_bits(layers.stacked)
+        stacked = layers.stacked.view(word)
         if full_blocks:
             stacked.index_copy_(2, index, by_block)
         if partial_tokens:
             stacked[:, :, partial_block, :partial_tokens].copy_(packed[:, :, covered:])
         return
     for layer, view in enumerate(layers.layers):
-        target = _as_bits(view)
+        target = view.view(word)
         if full_blocks:
             target.index_copy_(1, index, by_block[layer])
         if partial_tokens:

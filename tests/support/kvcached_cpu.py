@@ -60,4 +60,10 @@ def fake_device(total_memory: int = 64 << 20):
          mock.patch.object(kvi, "normalize_gpu_device", side_effect=lambda d: d), \
          mock.patch.object(kvi, "_kvcached_initialized", True), \
          mock.patch.object(kvi, "_contiguous_layout", False):
-        yield kvi
+        try:
+            import kvcached.integration.vllm.model_runner_v2 as mrv2
+        except ImportError:  # needs vLLM 0.29+
+            yield kvi
+            return
+        with mock.patch.object(mrv2, "CONTIGUOUS_LAYOUT", False):
+            yield kvi
