@@ -11,8 +11,11 @@ of :mod:`kvcached_pd.transport.layout`: ``index_select`` (dim = blocks) writes s
 into the extent, ``index_copy_`` reads straight from it; nothing is staged twice. When
 all layers sit at a constant stride in one storage, one kernel covers every layer
 (:attr:`KVCacheLayers.stacked`); otherwise there is one kernel per layer. Data are moved
-as same-width integers, so every cache dtype (fp8 included) moves bit for bit and no
-kernel needs a dtype-specific instantiation.
+as integers, so every cache dtype (fp8 included) moves bit for bit and no kernel needs a
+dtype-specific instantiation; as the widest integers (up to 8 bytes) that the strides and
+addresses allow, because these kernels move one element per step: on an H100 a 1 GiB
+bf16 request moved at ~1.2 TB/s as 2-byte elements and ~2.9 TB/s (95% of a plain copy)
+as 8-byte ones.
 
 Kernels are enqueued on the current stream of the cache's device; ordering against the
 attention kernels and the NIXL transfer is the caller's business.
@@ -48,9 +51,7 @@ LayerViews = KVCacheLayers | Sequence[torch.Tensor]
 BlockIds = Sequence[int] | torch.Tensor
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Widest first: the gather/scatter kernels move one element per thread step, so 8-byte
-# words move a bf16 cache with a quarter of the element count of 2-byte ones.
-_WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+_WIDE_WORDS = (torch.int64, torch.int32, torch.int16)  # widest first
 
 
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,12 +60,9 @@ def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _fits_words(tensor: torch.Tensor, word: torch.dtype) -> bool:
-    """Whether ``tensor.view(word)`` is valid: torch's rules for a wider dtype, plus an
+    """Whether ``tensor.view(word)`` (a wider dtype) is valid: torch's rules, plus an
     aligned address (a misaligned wide access faults on CUDA)."""
-    itemsize = tensor.element_size()
-    if word.itemsize % itemsize:
-        return False
-    ratio = word.itemsize // itemsize
+    ratio = word.itemsize // tensor.element_size()
     return (
         tensor.stride(-1) == 1
         and tensor.shape[-1] % ratio == 0
@@ -77,8 +75,8 @@ def _fits_words(tensor: torch.Tensor, word: torch.dtype) -> bool:
 def _widest_word(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     """The widest integer type every tensor can be reinterpreted as (last dim narrowed)."""
     itemsize = tensors[0].element_size()
-    for word in _WORD_DTYPES:
-        if word.itemsize >= itemsize and all(_fits_words(t, word) for t in tensors):
+    for word in _WIDE_WORDS:
+        if word.itemsize > itemsize and all(_fits_words(t, word) for t in tensors):
             return word
     return _SAME_WIDTH_INT[itemsize]
 
