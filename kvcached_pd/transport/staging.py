@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcached_pd.config import KVCACHED_PD_STAGING_MB
+
 __all__ = [
     "Extent",
     "ExtentAllocator",
@@ -33,8 +35,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-STAGING_SIZE_SETTING = "KVCACHED_PD_STAGING_MB"
 
 
 class StagingError(RuntimeError):
@@ -213,7 +213,7 @@ class StagingBuffer:
         except RuntimeError as error:  # torch.OutOfMemoryError is one
             raise StagingError(
                 f"could not allocate a {capacity_bytes / 2**20:.0f} MiB KV staging buffer on "
-                f"{device}: {error}. Lower {STAGING_SIZE_SETTING} (MiB of staging per worker) "
+                f"{device}: {error}. Lower {KVCACHED_PD_STAGING_MB} (MiB of staging per worker) "
                 "or leave more device memory free (e.g. a lower --gpu-memory-utilization)"
             ) from error
         logger.info("KV staging buffer: %d MiB on %s", capacity_bytes >> 20, device)
