@@ -96,6 +96,7 @@ def _as_layers(layer_views: LayerViews) -> KVCacheLayers:
 
 
 def _check_layers_match_format(layers: KVCacheLayers, fmt: PackedFormat) -> None:
+    """The caches are "here", ``fmt`` (usually the peer's) "at the peer" in errors."""
     _, _, _, heads, head_dim = layers.layers[0].shape
     mine = PackedFormat(
         num_layers=layers.num_layers,
@@ -104,7 +105,7 @@ def _check_layers_match_format(layers: KVCacheLayers, fmt: PackedFormat) -> None
         dtype=dtype_name(layers.dtype),
         version=fmt.version,
     )
-    fmt.check_compatible(mine)
+    mine.check_compatible(fmt)
 
 
 def _host_block_ids(block_ids: BlockIds, num_blocks: int) -> torch.Tensor:

@@ -287,7 +287,7 @@ def test_bad_block_ids_are_refused(block_ids, message) -> None:
 
 def test_format_mismatch_is_refused() -> None:
     other = PackedFormat.for_cache(2, 1, 4, torch.float16)
-    with pytest.raises(PackedFormatMismatch, match="TP head slicing"):
+    with pytest.raises(PackedFormatMismatch, match="2 here, 1 at the peer.*TP head slicing"):
         pack_request(_views(), [1, 2], _extent(32), other)
     with pytest.raises(PackedFormatMismatch, match="dtype differs"):
         pack_request(_views(), [1, 2], _extent(32), PackedFormat.for_cache(2, 2, 4, torch.bfloat16))
