@@ -1,0 +1,132 @@
+"""The experiment modes: which environment and flags each vLLM instance gets.
+
+One table shared by the equivalence harness and the transfer benchmark, so that a mode
+name means exactly the same configuration in both.
+
+Environment contract (see experiments/README.md):
+- kvcached on:   ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1, plus KVCACHED_CONTIGUOUS_LAYOUT=false
+                 (required by kvcached's NIXL path) and a unique KVCACHED_IPC_NAME per instance;
+- kvcached_pd:   active when kvcached is on and the package is importable; KVCACHED_PD=0 turns it
+                 off entirely (then only kvcached 0.1.6's own NIXL patch applies);
+                 KVCACHED_PD_TRANSPORT=staged|direct picks the data path (always set explicitly,
+                 the default may change);
+- test only:     KVCACHED_PD_TEST_CORRUPT=1 makes the decode side flip bits in one received block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Environment variables a mode may set. Any inherited value of these is removed before a
+# mode's own values are applied, so the caller's shell cannot leak into a mode.
+MANAGED_ENV_PREFIXES = ("KVCACHED_", "ENABLE_KVCACHED")
+
+KVCACHED_OFF = {"ENABLE_KVCACHED": "false", "KVCACHED_PD": "0"}
+KVCACHED_OWN = {
+    "ENABLE_KVCACHED": "true",
+    "KVCACHED_AUTOPATCH": "1",
+    "KVCACHED_CONTIGUOUS_LAYOUT": "false",
+    "KVCACHED_PD": "0",
+}
+
+
+def kvcached_pd_env(transport: str, corrupt: bool = False) -> dict[str, str]:
+    env = dict(KVCACHED_OWN, KVCACHED_PD="1", KVCACHED_PD_TRANSPORT=transport)
+    if corrupt:
+        env["KVCACHED_PD_TEST_CORRUPT"] = "1"
+    return env
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """Configuration of one vLLM instance within a mode."""
+
+    flavor: str  # short human label: vanilla | kvcached-own | kvcached-pd-staged | ...
+    env: dict[str, str]
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    description: str
+    prefill: InstanceConfig | None = None  # PD modes: P on the prefill GPU
+    decode: InstanceConfig | None = None  # PD modes: D on the decode GPU
+    single: InstanceConfig | None = None  # the no-PD reference instance
+    connector: str = "NixlConnector"
+    # The negative control must come out DIFFERENT from the reference.
+    expect_different: bool = False
+    # Optional modes (features that may not run at all, e.g. push) do not fail the
+    # harness when their servers or requests fail; a silently wrong answer still does.
+    optional: bool = False
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def is_pd(self) -> bool:
+        return self.single is None
+
+
+def _pd(name: str, description: str, p: InstanceConfig, d: InstanceConfig, **kw) -> Mode:
+    return Mode(name=name, description=description, prefill=p, decode=d, **kw)
+
+
+VANILLA = InstanceConfig("vanilla", KVCACHED_OFF)
+OWN = InstanceConfig("kvcached-own", KVCACHED_OWN)
+PD_DIRECT = InstanceConfig("kvcached-pd-direct", kvcached_pd_env("direct"))
+PD_STAGED = InstanceConfig("kvcached-pd-staged", kvcached_pd_env("staged"))
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in [
+        Mode("reference", "one instance, no PD: the ground truth", single=VANILLA),
+        _pd("vanilla", "PD, vLLM without kvcached", VANILLA, VANILLA),
+        _pd("kvcached-own", "PD, kvcached 0.1.6's own NIXL patch (KVCACHED_PD=0)", OWN, OWN),
+        _pd("kvcached-pd-direct", "PD, kvcached_pd with vLLM's own descriptors", PD_DIRECT, PD_DIRECT),
+        _pd("kvcached-pd-staged", "PD, kvcached_pd staged transport", PD_STAGED, PD_STAGED),
+        _pd("mixed-p", "kvcached+kvcached_pd (staged) on P only, vanilla D", PD_STAGED, VANILLA),
+        _pd("mixed-d", "vanilla P, kvcached+kvcached_pd (staged) on D only", VANILLA, PD_STAGED),
+        _pd("push", "NixlPushConnector, kvcached_pd staged on both sides", PD_STAGED, PD_STAGED,
+            connector="NixlPushConnector", optional=True),
+        _pd("push-vanilla", "NixlPushConnector without kvcached (tells vLLM's push apart from ours)",
+            VANILLA, VANILLA, connector="NixlPushConnector", optional=True),
+        _pd("blocksize", "kvcached_pd staged, P --block-size 16, D --block-size 32",
+            PD_STAGED, InstanceConfig("kvcached-pd-staged-bs32", kvcached_pd_env("staged"), 32)),
+        _pd("negative", "negative control: kvcached_pd staged + KVCACHED_PD_TEST_CORRUPT=1 "
+            "(must come out DIFFERENT)",
+            InstanceConfig("kvcached-pd-staged-corrupt", kvcached_pd_env("staged", corrupt=True)),
+            InstanceConfig("kvcached-pd-staged-corrupt", kvcached_pd_env("staged", corrupt=True)),
+            expect_different=True),
+    ]
+}
+
+# The modes the transfer benchmark compares side by side.
+BENCH_MODES = ("vanilla", "kvcached-own", "kvcached-pd-direct", "kvcached-pd-staged")
+
+
+def resolve_modes(names: list[str]) -> list[Mode]:
+    """Expand 'all', check names, keep the order given (deduplicated)."""
+    out: list[Mode] = []
+    for name in names:
+        for n in (MODES if name == "all" else [name]):
+            if n not in MODES:
+                raise SystemExit(f"unknown mode {n!r}; known: {', '.join(MODES)} or 'all'")
+            if MODES[n] not in out:
+                out.append(MODES[n])
+    return out
+
+
+def kv_transfer_config(connector: str, role: str, engine_id: str) -> dict:
+    """The --kv-transfer-config of one PD instance.
+
+    kv_load_failure_policy=fail (vLLM 0.26 KVTransferConfig field): a KV load that fails
+    must fail the request rather than be silently recomputed, or a broken transfer
+    could still produce the right text. engine_id is explicit so logs and push-mode
+    coordinates are readable and stable.
+    """
+    return {
+        "kv_connector": connector,
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_buffer_device": "cuda",
+        "kv_load_failure_policy": "fail",
+    }
