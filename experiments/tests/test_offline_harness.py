@@ -1,0 +1,252 @@
+"""Offline tests of the experiment harness (proxy, client, equivalence, log/metric parsing)
+against fake_vllm.py: no GPU, no vLLM needed.
+
+run: python -m pytest experiments/tests -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXP = os.path.dirname(HERE)
+sys.path.insert(0, EXP)
+
+import pd_client  # noqa: E402
+import pd_common  # noqa: E402
+import pd_proxy  # noqa: E402
+import pd_servers  # noqa: E402
+
+FAKE = [sys.executable, os.path.join(HERE, "fake_vllm.py")]
+_ports = pd_servers.PortAllocator(31000)
+
+
+def _start_fake(tmp_path, name, kv_role=None, env_extra=None, engine_id=None):
+    port, side = _ports.take(), _ports.take()
+    args = ["fake-model", "--port", str(port)]
+    if kv_role:
+        args += ["--kv-transfer-config", json.dumps(
+            {"kv_connector": "NixlConnector", "kv_role": kv_role,
+             "engine_id": engine_id or name})]
+    env = dict(os.environ, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side), FAKE_VLLM_START_DELAY="0.1",
+               **(env_extra or {}))
+    proc = pd_servers.ManagedProcess(name, FAKE + args, env, str(tmp_path / f"{name}.log"),
+                                     f"http://127.0.0.1:{port}/health")
+    proc.start()
+    proc.side_port = side
+    return proc
+
+
+@pytest.fixture
+def pd_pair(tmp_path):
+    procs = []
+
+    def make(p_env=None, d_env=None):
+        p = _start_fake(tmp_path, "P", "kv_producer", p_env, engine_id="engine-P")
+        d = _start_fake(tmp_path, "D", "kv_consumer", d_env)
+        procs.extend([p, d])
+        pd_servers.wait_until_ready([p, d], 20, poll_s=0.1)
+        assert p.state == d.state == "ready"
+        return p, d
+
+    yield make
+    pd_servers.stop_all(procs, grace_s=3)
+
+
+def _serve_proxy(p, d, **kw):
+    port = _ports.take()
+    proxy = pd_proxy.PDProxy(p.health_url[:-len("/health")], d.health_url[:-len("/health")], **kw)
+    server = pd_proxy.make_server("127.0.0.1", port, proxy)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                     daemon=True).start()
+    return server, f"http://127.0.0.1:{port}"
+
+
+# ---- pure helpers ----------------------------------------------------------------------
+
+
+def test_prompt_text_is_exact_and_deterministic():
+    for n in (2, 17, 3005):
+        text = pd_common.make_prompt_text(n, seed=7)
+        assert len(text.encode()) == n - 1 and text.isascii()
+        assert text == pd_common.make_prompt_text(n, seed=7)
+    assert pd_common.make_prompt_text(50, 1) != pd_common.make_prompt_text(50, 2)
+    names = [p.name for p in pd_common.sequential_prompts() + pd_common.batch_prompts()]
+    assert len(names) == len(set(names))
+    assert max(p.num_tokens for p in pd_common.sequential_prompts()) >= 3000
+
+
+def test_fingerprint_ignores_order_but_not_content():
+    a = pd_common.fingerprint([("x", [1, 2]), ("y", [3])])
+    assert a == pd_common.fingerprint([("y", [3]), ("x", [1, 2])])
+    assert a != pd_common.fingerprint([("x", [1, 2]), ("y", [4])])
+
+
+def test_prometheus_parsing_and_deltas():
+    before = pd_common.parse_prometheus(
+        '# HELP x\nvllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 10.0\n'
+        'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 3\n'
+        'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 5\n')
+    after = pd_common.parse_prometheus(
+        'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 25.0\n'
+        'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 4\n'
+        'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 9\n'
+        'vllm:nixl_xfer_time_seconds_sum{engine="0"} 0.5\n')
+    M = pd_common.M
+    assert pd_common.metric_delta(before, after, M.EXT_HITS) == 15
+    assert pd_common.metric_delta(before, after, M.PROMPT_BY_SOURCE, source="local_compute") == 1
+    assert pd_common.metric_delta(before, after, M.NIXL_XFER_SUM) == 0.5  # new series
+    assert pd_common.metric_delta(before, after, M.NIXL_BYTES_SUM) is None  # absent
+
+
+def test_registration_timings_from_stamped_log(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text("# header\n"
+                   "100.000 INFO Registering KV_Caches. use_mla: False\n"
+                   "100.100 DEBUG Registering descs: [(1, 2, 0, '')]\n"
+                   "100.350 DEBUG Done registering descs\n"
+                   "100.900 DEBUG Created 4096 blocks for src engine e and rank 0\n"
+                   "101.000 INFO kvcached_pd: registered staging region 256 MiB\n")
+    t = pd_servers.registration_timings(str(log))
+    assert t["nixl_register_kv_caches_s"] == pytest.approx(0.9)
+    assert t["nixl_register_memory_s"] == pytest.approx(0.25)
+    assert any("staging" in o["line"] for o in t["other_registration_lines"])
+
+
+def test_rss_report_of_own_process():
+    rep = pd_servers.rss_report(os.getpid())
+    assert rep["total_rss_mib"] > 1 and rep["processes"][0]["pid"] == os.getpid()
+
+
+# ---- proxy + client against the fake server ---------------------------------------------
+
+
+def test_proxy_matches_single_server_and_reports_leg_timings(pd_pair, tmp_path):
+    p, d = pd_pair()
+    server, url = _serve_proxy(p, d)
+    try:
+        pd_doc = pd_client.run_suite(url, "fake-model", max_tokens=8, timeout=30)
+        ref_doc = pd_client.run_suite(p.health_url[:-len("/health")], "fake-model", max_tokens=8,
+                                      timeout=30)
+        res = pd_common.post_json(url + "/v1/completions",
+                                  pd_client.completion_request("fake-model", "hello", 4), timeout=30)
+    finally:
+        server.shutdown()
+    assert pd_doc["n_failed"] == 0 and pd_doc["compare_on"] == "token_ids"
+    assert pd_doc["fingerprint_sha256"] == ref_doc["fingerprint_sha256"]
+    assert pd_client.compare_outputs(pd_doc, ref_doc)["identical"]
+    timing = pd_doc["requests"][0]["pd_proxy"]
+    assert timing["prefill_s"] > 0 and timing["decode_s"] > 0 and timing["total_s"] >= timing["decode_s"]
+    assert res.ok and float(res.headers["x-pd-prefill-seconds"]) > 0
+    assert float(res.headers["x-pd-decode-seconds"]) > 0
+
+
+def test_proxy_refuses_decode_without_kv_params(pd_pair):
+    p, d = pd_pair(p_env={"FAKE_VLLM_NO_KV_PARAMS": "1"})
+    server, url = _serve_proxy(p, d)
+    try:
+        res = pd_common.post_json(url + "/v1/completions",
+                                  pd_client.completion_request("fake-model", "hello", 4), timeout=30)
+    finally:
+        server.shutdown()
+    assert res.status == 502
+    err = res.json()["error"]
+    assert err["leg"] == "prefill" and "kv_transfer_params" in err["message"]
+
+
+def test_proxy_streams_and_push_concurrent(pd_pair):
+    p, d = pd_pair()
+    push = {"engine_id": "engine-P", "host": "127.0.0.1", "port": p.side_port,
+            "tp_size": 1, "pp_size": 1}
+    server, url = _serve_proxy(p, d, push_concurrent=push)
+    try:
+        body = pd_client.completion_request("fake-model", "abc " * 50, 6)
+        res = pd_common.post_json(url + "/v1/completions", body, timeout=30)
+        assert res.ok, res.body
+        assert res.json()["pd_proxy"]["mode"] == "push-concurrent"
+        single = pd_common.post_json(p.health_url[:-len("/health")] + "/v1/completions", body,
+                                     timeout=30)
+        assert res.json()["choices"][0]["token_ids"] == single.json()["choices"][0]["token_ids"]
+        res = pd_common.post_json(url + "/v1/completions", dict(body, stream=True), timeout=30)
+        assert res.ok
+        text = res.body.decode()
+        assert text.count("data: ") == 7 and "[DONE]" in text and ": pd_proxy {" in text
+    finally:
+        server.shutdown()
+
+
+# ---- the whole equivalence harness -----------------------------------------------------
+
+
+def _run_equivalence(tmp_path, modes, env_extra=None, extra_args=()):
+    out = tmp_path / "eq"
+    base = _ports.take()
+    cmd = [sys.executable, os.path.join(EXP, "equivalence.py"), str(out), *modes,
+           "--vllm-cmd", " ".join(FAKE), "--model", "fake-model", "--health-timeout", "30",
+           "--port-base", str(base + 100), "--side-channel-port-base", str(base + 300),
+           "--proxy-port-base", str(base + 500), *extra_args]
+    env = dict(os.environ, FAKE_VLLM_START_DELAY="0.1", **(env_extra or {}))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    summary = json.loads((out / "summary.json").read_text())
+    return res, summary, out
+
+
+def test_equivalence_passes_and_negative_control_differs(tmp_path):
+    res, summary, out = _run_equivalence(tmp_path, ["vanilla", "kvcached-pd-staged", "negative",
+                                                    "push"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    modes = summary["modes"]
+    assert modes["reference"]["verdict"] == "PASS"
+    assert modes["vanilla"]["kv_proof"]["ok"]
+    assert modes["negative"]["verdict"] == "PASS"
+    assert modes["negative"]["vs_baseline"]["n_different"] > 0
+    assert modes["negative"]["kvcached_pd"]["instances"]["decode"]["corrupted_blocks_logged"] > 0
+    assert (out / "summary.txt").read_text().count("PASS") >= 5
+    assert (out / "logs" / "vanilla-decode.log").exists()
+
+
+def test_equivalence_fails_when_decode_recomputes(tmp_path):
+    res, summary, _ = _run_equivalence(tmp_path, ["vanilla", "negative"],
+                                       {"FAKE_VLLM_RECOMPUTE": "1"})
+    assert res.returncode == 1
+    van = summary["modes"]["vanilla"]
+    assert van["verdict"] == "FAIL" and not van["kv_proof"]["ok"]
+    assert any("did not load the KV" in r for r in van["reasons"])
+    # recomputing D never sees the corrupted KV: the negative control must fail too
+    assert summary["modes"]["negative"]["verdict"] == "FAIL"
+
+
+def test_equivalence_reports_dead_servers_with_log_tail(tmp_path):
+    res, summary, _ = _run_equivalence(tmp_path, ["vanilla", "push"],
+                                       {"FAKE_VLLM_EXIT_AT_START": "1"})
+    assert res.returncode == 1
+    assert "simulated crash during startup" in res.stdout
+    assert summary["modes"]["vanilla"]["verdict"] == "FAIL"
+    assert summary["modes"]["push"]["verdict"] == "FAIL-OPTIONAL"
+
+
+def test_equivalence_deadline_skips_instead_of_hanging(tmp_path):
+    t0 = time.monotonic()
+    res, summary, _ = _run_equivalence(tmp_path, ["vanilla", "mixed-p"],
+                                       extra_args=["--parallel", "1", "--deadline-s", "1"])
+    assert time.monotonic() - t0 < 60
+    assert res.returncode == 1
+    assert any("out of time" in " ".join(m["reasons"] or [])
+               for m in summary["modes"].values())
+
+
+def test_equivalence_flags_kvcached_pd_where_it_must_not_run(tmp_path):
+    res, summary, _ = _run_equivalence(tmp_path, ["vanilla", "kvcached-pd-staged"],
+                                       {"FAKE_VLLM_PD_ALWAYS": "1"})
+    assert res.returncode == 1
+    assert summary["modes"]["vanilla"]["verdict"] == "FAIL"
+    assert any("although KVCACHED_PD=0" in r for r in summary["modes"]["vanilla"]["reasons"])
+    staged = summary["modes"]["kvcached-pd-staged"]
+    assert staged["kvcached_pd"]["instances"]["decode"]["applied"] == ["nixl_layout"]
