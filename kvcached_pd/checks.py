@@ -51,6 +51,18 @@ def kvcached_problems(env=None) -> list[str]:
     return problems
 
 
+def layout_problems(env=None) -> list[str]:
+    """An explicit head-major layout wins over every connector in vLLM's resolution."""
+    env = os.environ if env is None else env
+    requested = env.get("VLLM_KV_CACHE_LAYOUT", "").strip().upper()
+    if requested in ("HND", "LBHNC"):
+        return [
+            f"VLLM_KV_CACHE_LAYOUT={requested} forces a head-major KV layout, which "
+            "kvcached cannot provide (its tensors are NHD only). Unset it or set NHD."
+        ]
+    return []
+
+
 def patch_set_problems(disabled: frozenset[str]) -> list[str]:
     """Disabling only part of the NIXL patches leaves nobody handling layout/blocks."""
     off = [n for n in REQUIRED_FOR_NIXL if n in disabled]
@@ -72,6 +84,7 @@ def blocking_problems(nixl: bool = True, env=None) -> list[str]:
     if nixl:
         problems += vllm_version_problems()
         problems += kvcached_problems(env)
+        problems += layout_problems(env)
     st = state()
     if st is not None and st.active:
         problems += st.problems()

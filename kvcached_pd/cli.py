@@ -31,6 +31,7 @@ GATES = (
 def doctor(args: argparse.Namespace) -> int:
     from kvcached_pd.checks import (
         kvcached_problems,
+        layout_problems,
         patch_set_problems,
         vllm_version_problems,
     )
@@ -65,6 +66,7 @@ def doctor(args: argparse.Namespace) -> int:
     if kvcached_on and args.nixl:
         problems += vllm_version_problems()
         problems += kvcached_problems()
+        problems += layout_problems()
     if gate:
         problems += patch_set_problems(settings.disabled_patches)
     out.write("\nproblems:\n" if problems else "\nproblems: none\n")

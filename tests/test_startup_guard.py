@@ -1,0 +1,84 @@
+"""Bad input stops startup before a NIXL connector exists, with one clear message.
+
+Each case is a fresh interpreter activated through vLLM's own plugin loader; the
+connector is requested through vLLM's real ``KVConnectorFactory.create_connector``,
+the call every scheduler and worker makes before anything is served.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import subproc
+
+CREATE = r"""
+import json, tempfile
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from tests.support import vllm_nixl_worker as vw
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+config = vw.make_vllm_config(vw.write_tiny_llama(tempfile.mkdtemp()))
+kv_cache_config = vw.kv_cache_config(["model.layers.0.self_attn.attn"], 8, 16, 2, 64)
+try:
+    KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    print(json.dumps({"error": None}))
+except Exception as exc:
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+"""
+
+GOOD = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_CONTIGUOUS_LAYOUT="false")
+
+
+def create(**env) -> str | None:
+    return subproc.run_json(CREATE, env=subproc.clean_env(**env))["error"]
+
+
+def kvcached_on_path() -> dict[str, str]:
+    from tests.support.kvcached_cpu import available, kvcached_src
+
+    if not available():
+        pytest.skip("kvcached source not fetched")
+    return {"PYTHONPATH": kvcached_src()}
+
+
+@pytest.mark.parametrize("env,message", [
+    (dict(GOOD, KVCACHED_CONTIGUOUS_LAYOUT="true"), "KVCACHED_CONTIGUOUS_LAYOUT is true"),
+    ({k: v for k, v in GOOD.items() if k != "KVCACHED_CONTIGUOUS_LAYOUT"},
+     "KVCACHED_CONTIGUOUS_LAYOUT is true"),
+    (dict(GOOD, VLLM_KV_CACHE_LAYOUT="HND"), "VLLM_KV_CACHE_LAYOUT=HND"),
+    (dict(GOOD, KVCACHED_PD_DISABLE="nixl_layot"), "unknown patch(es) ['nixl_layot']"),
+    (dict(GOOD, KVCACHED_PD_TRANSPORT="carrier-pigeon"), "is not one of"),
+    (dict(GOOD, KVCACHED_PD_DISABLE="nixl_registration"), "nothing handles the layout"),
+])
+def test_bad_configuration_stops_nixl_startup(env, message):
+    error = create(**env, **kvcached_on_path())
+    assert error is not None and error.startswith("UnsupportedConfiguration")
+    assert message in error
+    assert "kvcached-pd doctor" in error
+
+
+def test_kvcached_not_importable_stops_nixl_startup():
+    error = create(**GOOD)  # kvcached's source is not on the path here
+    assert error is not None and "kvcached is not importable" in error
+
+
+def test_good_configuration_builds_the_connector():
+    assert create(**GOOD, **kvcached_on_path()) is None
+
+
+def test_unsupported_vllm_version_stops_nixl_startup():
+    code = CREATE.replace(
+        "load_general_plugins()",
+        "import importlib.metadata as md\n"
+        "_real = md.version\n"
+        "md.version = lambda d: '0.19.1' if d == 'vllm' else _real(d)\n"
+        "load_general_plugins()",
+    )
+    env = subproc.clean_env(**GOOD, **kvcached_on_path())
+    error = subproc.run_json(code, env=env)["error"]
+    assert error is not None and "vLLM 0.19.1 is outside the range" in error
+
+
+def test_without_kvcached_nothing_is_checked():
+    assert create(ENABLE_KVCACHED="false", KVCACHED_CONTIGUOUS_LAYOUT="true") is None
