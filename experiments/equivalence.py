@@ -37,7 +37,8 @@ from pd_client import compare_outputs, run_suite
 from pd_common import M, Deadline, MetricSnapshot, log, metric_delta, scrape_metrics, write_json
 from pd_modes import MODES, Mode, kv_transfer_config, resolve_modes
 from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,
-                        PortAllocator, ServeSettings, default_vllm_cmd, describe_environment, instance_env,
+                        PortAllocator, ServeSettings, default_vllm_cmd, describe_environment,
+                        instance_env,
                         kvcached_pd_evidence, serve_args, stop_all, wait_until_ready,
                         write_vllm_logging_config)
 

@@ -130,7 +130,8 @@ class PDProxy:
         seconds = time.perf_counter() - t0
         text = data.decode("utf-8", "replace")
         if resp.status != 200:
-            raise ProxyError(resp.status, f"prefill leg returned HTTP {resp.status}", "prefill", text)
+            raise ProxyError(resp.status, f"prefill leg returned HTTP {resp.status}", "prefill",
+                             text)
         try:
             return json.loads(text), seconds
         except ValueError as exc:
@@ -380,7 +381,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="do not add the pd_proxy field to JSON bodies (headers only)")
     ap.add_argument("--push-concurrent", action="store_true",
                     help="NixlPushConnector: send both legs at once; needs P's coordinates")
-    ap.add_argument("--prefill-engine-id", help="P's kv-transfer-config engine_id (push-concurrent)")
+    ap.add_argument("--prefill-engine-id",
+                    help="P's kv-transfer-config engine_id (push-concurrent)")
     ap.add_argument("--prefill-kv-host", default="127.0.0.1",
                     help="P's VLLM_NIXL_SIDE_CHANNEL_HOST (push-concurrent)")
     ap.add_argument("--prefill-side-channel-port", type=int,

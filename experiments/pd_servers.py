@@ -495,16 +495,18 @@ def _describe_environment(out_path: str) -> None:
         "for mod in ('torch','vllm','nixl','kvcached','kvcached_pd','sitecustomize'):\n"
         "    try:\n"
         "        m=importlib.import_module(mod)\n"
-        "        info[mod]={'version':getattr(m,'__version__',None),'file':getattr(m,'__file__',None)}\n"
+        "        info[mod]={'version':getattr(m,'__version__',None),\n"
+        "                   'file':getattr(m,'__file__',None)}\n"
         "    except Exception as e:\n"
         "        info[mod]={'error':f'{type(e).__name__}: {e}'}\n"
         "print(json.dumps(info))\n")
     info: dict = {"argv": sys.argv, "cwd": os.getcwd(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "PYTHONPATH": os.environ.get("PYTHONPATH")}
+    here = os.path.dirname(os.path.abspath(__file__))
     for key, cmd in (("imports", [sys.executable, "-c", probe]),
-                     ("nvidia_smi", ["nvidia-smi", "--query-gpu=index,name,memory.used,memory.total",
-                                     "--format=csv,noheader"]),
-                     ("git", ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "HEAD"])):
+                     ("nvidia_smi", ["nvidia-smi", "--format=csv,noheader",
+                                     "--query-gpu=index,name,memory.used,memory.total"]),
+                     ("git", ["git", "-C", here, "rev-parse", "HEAD"])):
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             info[key] = res.stdout.strip() or res.stderr.strip()[-2000:]

@@ -91,7 +91,8 @@ def metrics_text(st: State) -> str:
         f"vllm:external_prefix_cache_queries_total{{{lbl}}} {c['ext_queries']}",
         f'vllm:prompt_tokens_by_source_total{{{lbl},source="local_compute"}} {c["local"]}',
         f'vllm:prompt_tokens_by_source_total{{{lbl},source="local_cache_hit"}} 0.0',
-        f'vllm:prompt_tokens_by_source_total{{{lbl},source="external_kv_transfer"}} {c["external"]}',
+        f'vllm:prompt_tokens_by_source_total{{{lbl},source="external_kv_transfer"}} '
+        f'{c["external"]}',
         f"vllm:request_queue_time_seconds_sum{{{lbl}}} {c['queue_sum']}",
         f"vllm:request_queue_time_seconds_count{{{lbl}}} {c['queue_count']}",
         f'vllm:request_success_total{{{lbl},finished_reason="length"}} {c["success"]}',

@@ -136,14 +136,16 @@ def test_proxy_matches_single_server_and_reports_leg_timings(pd_pair, tmp_path):
         ref_doc = pd_client.run_suite(p.health_url[:-len("/health")], "fake-model", max_tokens=8,
                                       timeout=30)
         res = pd_common.post_json(url + "/v1/completions",
-                                  pd_client.completion_request("fake-model", "hello", 4), timeout=30)
+                                  pd_client.completion_request("fake-model", "hello", 4),
+                                  timeout=30)
     finally:
         server.shutdown()
     assert pd_doc["n_failed"] == 0 and pd_doc["compare_on"] == "token_ids"
     assert pd_doc["fingerprint_sha256"] == ref_doc["fingerprint_sha256"]
     assert pd_client.compare_outputs(pd_doc, ref_doc)["identical"]
     timing = pd_doc["requests"][0]["pd_proxy"]
-    assert timing["prefill_s"] > 0 and timing["decode_s"] > 0 and timing["total_s"] >= timing["decode_s"]
+    assert timing["prefill_s"] > 0 and timing["decode_s"] > 0
+    assert timing["total_s"] >= timing["decode_s"]
     assert res.ok and float(res.headers["x-pd-prefill-seconds"]) > 0
     assert float(res.headers["x-pd-decode-seconds"]) > 0
 
@@ -153,7 +155,8 @@ def test_proxy_refuses_decode_without_kv_params(pd_pair):
     server, url = _serve_proxy(p, d)
     try:
         res = pd_common.post_json(url + "/v1/completions",
-                                  pd_client.completion_request("fake-model", "hello", 4), timeout=30)
+                                  pd_client.completion_request("fake-model", "hello", 4),
+                                  timeout=30)
     finally:
         server.shutdown()
     assert res.status == 502
@@ -250,3 +253,38 @@ def test_equivalence_flags_kvcached_pd_where_it_must_not_run(tmp_path):
     assert any("although KVCACHED_PD=0" in r for r in summary["modes"]["vanilla"]["reasons"])
     staged = summary["modes"]["kvcached-pd-staged"]
     assert staged["kvcached_pd"]["instances"]["decode"]["applied"] == ["nixl_layout"]
+
+
+# ---- the transfer benchmark ------------------------------------------------------------
+
+
+def test_bench_transfer_runs_all_modes_and_writes_outputs(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 32, "num_key_value_heads": 16, "num_attention_heads": 16,
+        "hidden_size": 256, "head_dim": 128, "dtype": "bfloat16"}))
+    out = tmp_path / "bench"
+    base = _ports.take()
+    cmd = [sys.executable, os.path.join(EXP, "bench_transfer.py"), "--out", str(out),
+           "--model", str(model), "--vllm-cmd", " ".join(FAKE), "--sizes", "1,16,8192",
+           "--repeats", "2", "--ttft-batch", "2", "--ttft-prompt-tokens", "500",
+           "--deadline-s", "120", "--port-base", str(base + 100),
+           "--side-channel-port-base", str(base + 300), "--proxy-port-base", str(base + 500)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=200,
+                         env=dict(os.environ, FAKE_VLLM_START_DELAY="0.1"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["kv_bytes_per_token"] == 256 * 1024
+    for name in ("vanilla", "kvcached-pd-staged", "kvcached-pd-direct", "kvcached-own"):
+        mode = doc["modes"][name]
+        assert mode["status"] == "measured", mode
+        small, medium, huge = mode["sizes"]
+        assert small["prompt_tokens"] == 4 and small["repeats_ok"] == 2
+        assert medium["gbps_server"] > 0 and medium["nixl_bytes"] > 0
+        assert "max-model-len" in huge["skipped"]
+        assert mode["ttft"]["ok"] == 2
+        assert mode["instances"]["decode"]["registration"]["nixl_register_kv_caches_s"] > 0
+    for name in ("bench.csv", "instances.csv", "ttft.csv", "summary.txt"):
+        assert (out / name).stat().st_size > 0
+    assert "kvcached-pd-staged" in (out / "summary.txt").read_text()
