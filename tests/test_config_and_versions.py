@@ -1,0 +1,72 @@
+"""Settings, version ranges and byte-span helpers: pure functions, no vLLM needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcached_pd import config
+from kvcached_pd.kv_spans import clip_to, merge_spans, physical_spans
+from kvcached_pd.versions import SUPPORTED_VLLM, VersionRange, parse_release
+
+KNOWN = frozenset({"nixl_layout", "nixl_registration"})
+
+
+@pytest.mark.parametrize("version,release", [
+    ("0.26.0", (0, 26, 0)), ("0.26.1.dev12+g0abc123", (0, 26, 1)), ("0.27.0rc1", (0, 27, 0)),
+    ("0.30", (0, 30, 0)), ("v0.20.2", (0, 20, 2)), ("0.26.0+cu130", (0, 26, 0)),
+])
+def test_release_numbers_including_dev_builds(version, release):
+    assert parse_release(version) == release
+
+
+def test_supported_range_edges():
+    assert SUPPORTED_VLLM.contains("0.20.0") and SUPPORTED_VLLM.contains("0.30.9")
+    assert SUPPORTED_VLLM.contains("0.30.1.dev3+gdeadbee")
+    assert not SUPPORTED_VLLM.contains("0.19.1") and not SUPPORTED_VLLM.contains("0.31.0.dev1")
+    assert str(VersionRange("0.24", "0.31")) == ">=0.24,<0.31"
+    with pytest.raises(ValueError, match="cannot read a release"):
+        parse_release("nightly")
+
+
+@pytest.mark.parametrize("env,open_", [
+    ({}, False),
+    ({"ENABLE_KVCACHED": "true"}, False),
+    ({"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1"}, True),
+    ({"ENABLE_KVCACHED": "TRUE", "KVCACHED_AUTOPATCH": "true", "KVCACHED_PD": "0"}, False),
+    ({"KVCACHED_PD": "1"}, True),
+    ({"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1", "KVCACHED_PD": ""}, True),
+])
+def test_gate(env, open_):
+    assert config.gate_open(env) is open_
+
+
+def test_settings_report_every_bad_value():
+    s = config.read_settings(KNOWN, {
+        "KVCACHED_PD_DISABLE": "nixl_layout, bogus", "KVCACHED_PD_TRANSPORT": "udp",
+        "KVCACHED_PD_STAGING_MB": "-5", "KVCACHED_PD_STRICT": "maybe",
+    })
+    text = "\n".join(s.problems)
+    assert "unknown patch(es) ['bogus']" in text and "'udp'" in text
+    assert "KVCACHED_PD_STAGING_MB='-5'" in text and "KVCACHED_PD_STRICT='maybe'" in text
+    assert s.disabled_patches == {"nixl_layout", "bogus"}
+    assert s.transport == config.DEFAULT_TRANSPORT and s.staging_mb == config.DEFAULT_STAGING_MB
+
+
+def test_settings_defaults_are_clean():
+    s = config.read_settings(KNOWN, {})
+    assert s.problems == () and not s.strict and not s.test_corrupt
+
+
+def test_split_half_view_has_two_physical_spans():
+    raw = torch.zeros(1000, dtype=torch.float16)
+    # K blocks at [0, 40), V blocks at [500, 540): kvcached's split-half layout
+    view = torch.as_strided(raw, (2, 10, 4), (500, 4, 1))
+    base = raw.data_ptr()
+    assert physical_spans(view) == [(base, base + 80), (base + 1000, base + 1080)]
+    assert physical_spans(view[:, :5]) == [(base, base + 40), (base + 1000, base + 1040)]
+
+
+def test_span_helpers():
+    assert merge_spans([(5, 9), (0, 3), (3, 5)]) == [(0, 9)]
+    assert clip_to((0, 100), [(10, 20), (50, 200)]) == [(10, 20), (50, 100)]
