@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): install everything, then run the suite once per
+# vLLM release of the supported matrix, against that release's real classes.
+#
+# usage: scripts/test.sh [VLLM_VERSION ...]     (default: the matrix below)
+# env:   KVCACHED_PD_VENVS  where the per-version venvs live (default .venv-test/)
+#        REUSE_VENVS=1      keep an existing venv instead of rebuilding it
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+MATRIX=("$@")
+[ ${#MATRIX[@]} -gt 0 ] || MATRIX=(0.20.2 0.26.0 0.30.0)
+VENVS=${KVCACHED_PD_VENVS:-$REPO/.venv-test}
+export HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
+
+# kvcached only ships a source archive that builds against a CUDA torch; the tests
+# use its pure-Python modules (tests/support/kvcached_cpu.py).
+python3 tests/support/fetch_kvcached.py 0.1.6 "$REPO/.cache" 2>&1 | grep -v "Location" || true
+export KVCACHED_SRC="$REPO/.cache/kvcached-0.1.6"
+[ -f "$KVCACHED_SRC/kvcached/__init__.py" ] || { echo "kvcached source not fetched" >&2; exit 1; }
+
+status=0
+summary=()
+for version in "${MATRIX[@]}"; do
+  venv="$VENVS/vllm-$version"
+  if [ "${REUSE_VENVS:-0}" != 1 ] || [ ! -x "$venv/bin/python" ]; then
+    rm -rf "$venv"
+    echo "=== installing vLLM $version into $venv"
+    start=$SECONDS
+    bash scripts/install_test_env.sh "$venv" "$version"
+    echo "    (installed in $((SECONDS - start)) s)"
+  fi
+  echo "=== tests against vLLM $version"
+  rc=0
+  "$venv/bin/python" -m pytest tests experiments/tests -q -p no:cacheprovider \
+      -o junit_family=xunit2 --junitxml="$VENVS/results-vllm-$version.xml" || rc=$?
+  if [ "$rc" = 5 ]; then
+    echo "vLLM $version: pytest collected no tests; that is a failure here" >&2
+  fi
+  summary+=("vLLM $version: pytest exit $rc")
+  [ "$rc" = 0 ] || status=1
+done
+printf '%s\n' "${summary[@]}"
+exit $status
