@@ -54,8 +54,11 @@ class Mode:
     decode: InstanceConfig | None = None  # PD modes: D on the decode GPU
     single: InstanceConfig | None = None  # the no-PD reference instance
     connector: str = "NixlConnector"
-    # The negative control must come out DIFFERENT from the reference.
+    # The negative control must come out DIFFERENT from the reference and, above all,
+    # from ``clean_twin``: the same configuration without the corruption, so that a
+    # difference cannot come from PD numerics alone.
     expect_different: bool = False
+    clean_twin: str | None = None
     # Optional modes (features that may not run at all, e.g. push) do not fail the
     # harness when their servers or requests fail; a silently wrong answer still does.
     optional: bool = False
@@ -97,7 +100,7 @@ MODES: dict[str, Mode] = {
             "(must come out DIFFERENT)",
             InstanceConfig("kvcached-pd-staged-corrupt", kvcached_pd_env("staged", corrupt=True)),
             InstanceConfig("kvcached-pd-staged-corrupt", kvcached_pd_env("staged", corrupt=True)),
-            expect_different=True),
+            expect_different=True, clean_twin="kvcached-pd-staged"),
     ]
 }
 

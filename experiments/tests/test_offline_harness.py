@@ -288,3 +288,28 @@ def test_bench_transfer_runs_all_modes_and_writes_outputs(tmp_path):
     for name in ("bench.csv", "instances.csv", "ttft.csv", "summary.txt"):
         assert (out / name).stat().st_size > 0
     assert "kvcached-pd-staged" in (out / "summary.txt").read_text()
+
+
+def test_equivalence_explains_reference_vs_pd_numerics(tmp_path):
+    res, summary, out = _run_equivalence(tmp_path, ["vanilla", "kvcached-pd-staged", "negative"],
+                                         {"FAKE_VLLM_SINGLE_SKEW": "1"})
+    assert res.returncode == 1  # strict against the reference, as asked
+    staged = summary["modes"]["kvcached-pd-staged"]
+    assert staged["vs_baseline"]["n_different"] > 0
+    assert staged["vs_vanilla"]["n_different"] == 0
+    assert staged["vs_baseline"]["different"][0]["first_diff_index"] == 20
+    assert summary["numerics_note"] and "vs vanilla" in (out / "summary.txt").read_text()
+    # the negative control is judged against its clean twin, not the skewed reference
+    neg = summary["modes"]["negative"]
+    assert neg["verdict"] == "PASS" and "clean twin" in neg["note"]
+    assert 0 < neg["vs_clean_twin"]["n_different"] < neg["vs_baseline"]["n_different"]
+
+
+def test_negative_control_matching_its_twin_fails(tmp_path):
+    # no corruption reaches D (it recomputes), so negative == its clean twin
+    res, summary, _ = _run_equivalence(tmp_path, ["kvcached-pd-staged", "negative"],
+                                       {"FAKE_VLLM_RECOMPUTE": "1", "FAKE_VLLM_SINGLE_SKEW": "1"})
+    assert res.returncode == 1
+    neg = summary["modes"]["negative"]
+    assert neg["verdict"] == "FAIL"
+    assert any("MATCHED its clean twin" in r for r in neg["reasons"])
