@@ -604,7 +604,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="time kept for shutdown and writing results")
     ap.add_argument("--ceiling-gbps", type=float, default=PEER_COPY_CEILING_GBPS)
     ap.add_argument("--kv-both", action="store_true", help="kv_role kv_both on P and D")
-    ap.add_argument("--vllm-cmd", default=None)
+    ap.add_argument("--vllm-cmd", default=os.environ.get("KVPD_VLLM_CMD"),
+                    help="command that runs `vllm serve` (default: $KVPD_VLLM_CMD, else this "
+                         "python -m vllm.entrypoints.cli.main serve)")
     ap.add_argument("--extra-serve-args", default="")
     ap.add_argument("--port-base", type=int, default=HTTP_PORT_BASE + 200)
     ap.add_argument("--side-channel-port-base", type=int, default=SIDE_CHANNEL_PORT_BASE + 200)
