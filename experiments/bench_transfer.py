@@ -52,7 +52,8 @@ from pd_modes import BENCH_MODES, MODES, Mode, kv_transfer_config
 from pd_proxy import PREFILL_KV_PARAMS
 from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,
                         PortAllocator, ServeSettings, default_vllm_cmd, describe_environment,
-                        instance_env, kvcached_pd_evidence, registration_timings, rss_report,
+                        indent, instance_env, kvcached_pd_evidence, registration_timings,
+                        rss_report,
                         serve_args, stop_all, wait_until_ready, write_vllm_logging_config)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,6 +81,7 @@ class PairRun:
     proxy_url: str | None = None
     status: str = "starting"  # starting | ready | measured | skipped
     reason: str | None = None
+    broken: str | None = None  # set when a request got no answer: measure no further
     result: dict = field(default_factory=dict)
 
     @property
@@ -216,7 +218,8 @@ class Bench:
                       _request(prompt, self.a.model, dict(PREFILL_KV_PARAMS)),
                       timeout=self.a.request_timeout, headers=headers)
         if not p.ok:
-            return {"error": f"prefill HTTP {p.status}: {p.error or p.body[:300]!r}"}
+            return {"error": f"prefill HTTP {p.status}: {p.error or p.body[:300]!r}",
+                    "no_answer": p.status == 0}
         kvp = p.json().get("kv_transfer_params")
         if not kvp:
             return {"error": "prefill returned no kv_transfer_params"}
@@ -224,7 +227,8 @@ class Bench:
         d = post_json(run.d_url + "/v1/completions", _request(prompt, self.a.model, kvp),
                       timeout=self.a.request_timeout, headers=headers)
         if not d.ok:
-            return {"error": f"decode HTTP {d.status}: {d.error or d.body[:300]!r}"}
+            return {"error": f"decode HTTP {d.status}: {d.error or d.body[:300]!r}",
+                    "no_answer": d.status == 0}
         after = self._wait_finished(run.d_url, before)
         usage = d.json().get("usage") or {}
         out = {"prompt_tokens": usage.get("prompt_tokens"), "prefill_s": p.seconds,
@@ -256,11 +260,16 @@ class Bench:
             if self.deadline.expired(reserve=self.a.reserve_s):
                 row["skipped"] = "out of time (--deadline-s)"
                 continue
+            if run.broken:
+                row["skipped"] = run.broken
+                continue
             for i in range(self.a.warmup + self.a.repeats):
                 seed = zlib.crc32(f"{run.mode.name}/{size['prompt_tokens']}/{i}".encode())
                 sample = self.handoff(run, size["prompt_tokens"], seed)
                 sample["warmup"] = i < self.a.warmup
                 row["samples"].append(sample)
+                if sample.get("no_answer"):  # a hung server: one timeout is enough
+                    run.broken = f"an earlier request got no answer: {sample['error']}"
                 if "error" in sample:
                     break
             self.summarize_size(row, baseline_s)
@@ -312,6 +321,8 @@ class Bench:
             return {"skipped": f"{tokens} tokens exceed --max-model-len"}
         if self.deadline.expired(reserve=self.a.reserve_s + 10):
             return {"skipped": "out of time (--deadline-s)"}
+        if run.broken:
+            return {"skipped": run.broken}
         if run.proxy is None or run.proxy.state != "ready":
             return {"skipped": f"proxy not ready: {run.proxy.failure if run.proxy else None}"}
         url = run.proxy_url
@@ -383,6 +394,13 @@ class Bench:
                     r.status = "skipped"
                     r.reason = f"measurement crashed: {type(exc).__name__}: {exc}"
                     log(f"{r.mode.name}: {r.reason}")
+                for p in (r.prefill, r.decode):
+                    if not p.alive():
+                        time.sleep(0.3)  # let the log reader drain the last lines
+                        r.result.setdefault("died", {})[p.name] = {
+                            "exit_code": p.proc.returncode, "log_tail": p.tail(40)}
+                        log(f"DIED   {p.name} while measured (exit code {p.proc.returncode}); "
+                            f"last lines:\n" + indent(p.tail(40)))
         except KeyboardInterrupt:
             log("interrupted: writing what was measured")
         finally:

@@ -39,7 +39,7 @@ from pd_modes import MODES, Mode, kv_transfer_config, resolve_modes
 from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,
                         PortAllocator, ServeSettings, default_vllm_cmd, describe_environment,
                         instance_env,
-                        kvcached_pd_evidence, serve_args, stop_all, wait_until_ready,
+                        indent, kvcached_pd_evidence, serve_args, stop_all, wait_until_ready,
                         write_vllm_logging_config)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -178,16 +178,26 @@ class Harness:
             for run in ready:
                 self._settle_metrics(run)
                 run.metrics_after = self._scrape(run)
+                dead = [p for p in run.all_procs() if not p.alive()]
+                for p in dead:
+                    time.sleep(0.3)  # let the log reader drain the last lines
+                    log(f"DIED   {p.name} during the requests (exit code {p.proc.returncode}); "
+                        f"last lines of {p.log_path}:\n" + indent(p.tail(40)))
+                if dead:
+                    run.infra_error = "died during the requests: " + ", ".join(
+                        f"{p.name} (exit code {p.proc.returncode})" for p in dead)
         finally:
             stop_all([p for r in runs for p in r.all_procs()])
         return runs
 
     def _run_client(self, run: ModeRun) -> dict | None:
-        timeout = max(10.0, min(self.args.request_timeout, self.deadline.remaining() - 20))
+        # leave time for the metrics, the shutdown and the summary
+        deadline = time.monotonic() + self.deadline.remaining() - 30 \
+            if self.deadline.seconds else None
         try:
             suite = run_suite(run.client_url, self.args.model, self.args.max_tokens,
-                              self.args.max_model_len, not self.args.no_batch, timeout,
-                              label=run.mode.name)
+                              self.args.max_model_len, not self.args.no_batch,
+                              self.args.request_timeout, label=run.mode.name, deadline=deadline)
         except Exception as exc:  # a client bug must not lose the other modes' results
             run.infra_error = f"client crashed: {type(exc).__name__}: {exc}"
             return None
@@ -317,8 +327,9 @@ def evaluate(runs: dict[str, ModeRun], baseline_name: str) -> dict[str, dict]:
         suite = run.suite
         if run.infra_error:
             reasons.append(run.infra_error)
-        elif suite is None:
-            reasons.append("no client results")
+        if suite is None:
+            if not run.infra_error:
+                reasons.append("no client results")
         else:
             res.update(fingerprint_sha256=suite["fingerprint_sha256"], n_ok=suite["n_ok"],
                        n_requests=suite["n_requests"], compare_on=suite["compare_on"])
@@ -424,7 +435,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--decode-gpu", default="1")
     ap.add_argument("--single-gpu", default="0", help="GPU of the no-PD reference instance")
     ap.add_argument("--health-timeout", type=float, default=300.0)
-    ap.add_argument("--request-timeout", type=float, default=180.0)
+    ap.add_argument("--request-timeout", type=float, default=60.0,
+                    help="per request; after one unanswered request a mode sends no more")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="whole-run budget; modes that no longer fit are reported as not run")
     ap.add_argument("--no-batch", action="store_true", help="skip the concurrent batch")

@@ -89,14 +89,46 @@ def send_completion(url: str, model: str, prompt: Prompt, max_tokens: int,
     return out
 
 
-def run_sequential(url, model, prompts, max_tokens, timeout) -> list[RequestOutcome]:
-    return [send_completion(url, model, p, max_tokens, timeout) for p in prompts]
+def _skipped(prompt: Prompt, why: str) -> RequestOutcome:
+    return RequestOutcome(prompt.name, prompt.num_tokens, False, 0, 0.0, error=f"not sent: {why}")
+
+
+def _timeout_for(timeout: float, deadline: float | None) -> float | None:
+    """The per-request timeout, shortened to what is left before ``deadline``
+    (time.monotonic()); None when nothing is left."""
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    return min(timeout, left) if left > 1.0 else None
+
+
+def run_sequential(url, model, prompts, max_tokens, timeout,
+                   deadline: float | None = None) -> list[RequestOutcome]:
+    """One prompt at a time. After a request that got no HTTP answer at all (timeout,
+    refused), the rest are not sent: a hung server would otherwise cost one full
+    timeout per prompt."""
+    out: list[RequestOutcome] = []
+    broken = None
+    for p in prompts:
+        t = _timeout_for(timeout, deadline)
+        if broken or t is None:
+            out.append(_skipped(p, broken or "out of time"))
+            continue
+        res = send_completion(url, model, p, max_tokens, t)
+        out.append(res)
+        if res.status == 0:
+            broken = f"an earlier request got no answer ({res.error})"
+    return out
 
 
 def run_concurrent(url, model, prompts, max_tokens, timeout,
-                   concurrency: int | None = None) -> list[RequestOutcome]:
+                   concurrency: int | None = None,
+                   deadline: float | None = None) -> list[RequestOutcome]:
+    t = _timeout_for(timeout, deadline)
+    if t is None:
+        return [_skipped(p, "out of time") for p in prompts]
     with ThreadPoolExecutor(max_workers=concurrency or len(prompts) or 1) as pool:
-        futures = [pool.submit(send_completion, url, model, p, max_tokens, timeout)
+        futures = [pool.submit(send_completion, url, model, p, max_tokens, t)
                    for p in prompts]
         return [f.result() for f in futures]
 
@@ -106,13 +138,22 @@ def output_of(outcome: dict, compare_on: str):
 
 
 def run_suite(url: str, model: str, max_tokens: int = 32, max_model_len: int = 4096,
-              include_batch: bool = True, timeout: float = 300.0, label: str = "") -> dict:
-    """The sequential prompts, then the concurrent batch; returns the result document."""
+              include_batch: bool = True, timeout: float = 300.0, label: str = "",
+              deadline: float | None = None) -> dict:
+    """The sequential prompts, then the concurrent batch; returns the result document.
+
+    ``deadline`` (a time.monotonic() value) bounds the whole suite: requests that no
+    longer fit are recorded as failed, not sent. The batch is not sent either when a
+    sequential request got no answer at all."""
     limit = max_model_len - max_tokens
     t0 = time.time()
-    seq = run_sequential(url, model, sequential_prompts(limit), max_tokens, timeout)
-    batch = run_concurrent(url, model, batch_prompts(limit), max_tokens, timeout) \
-        if include_batch else []
+    seq = run_sequential(url, model, sequential_prompts(limit), max_tokens, timeout, deadline)
+    hung = next((r for r in seq if r.status == 0), None)
+    batch = []
+    if include_batch:
+        batch = [_skipped(p, "a sequential request got no answer") for p in batch_prompts(limit)] \
+            if hung else run_concurrent(url, model, batch_prompts(limit), max_tokens, timeout,
+                                        deadline=deadline)
     requests = [asdict(o) for o in seq + batch]
     ok = [r for r in requests if r["ok"]]
     # Token ids when the server returned them for every request, else the text.

@@ -286,7 +286,7 @@ def wait_until_ready(procs: list[ManagedProcess], timeout_s: float,
                 time.sleep(0.3)  # let the log reader drain the last lines
                 p.mark_failed(f"process exited with code {code} before becoming healthy")
                 log(f"FAILED {p.name}: exited with code {code}; last lines of {p.log_path}:\n"
-                    + _indent(p.tail(40)))
+                    + indent(p.tail(40)))
                 pending.remove(p)
             elif p.check_health():
                 p.state, p.ready_at = "ready", time.time()
@@ -298,7 +298,7 @@ def wait_until_ready(procs: list[ManagedProcess], timeout_s: float,
             for p in pending:
                 p.mark_failed(f"not healthy after {timeout_s:.0f}s")
                 log(f"FAILED {p.name}: not healthy after {timeout_s:.0f}s; last lines:\n"
-                    + _indent(p.tail(40)))
+                    + indent(p.tail(40)))
             break
         time.sleep(poll_s)
 
@@ -326,7 +326,7 @@ def stop_all(procs: list[ManagedProcess], grace_s: float = 10.0) -> None:
             p.state = "stopped"
 
 
-def _indent(text: str, prefix: str = "    | ") -> str:
+def indent(text: str, prefix: str = "    | ") -> str:
     return "\n".join(prefix + line for line in text.splitlines())
 
 

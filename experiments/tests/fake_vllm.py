@@ -16,6 +16,7 @@ everything else ignored) and emulates what the harness relies on:
 Failure knobs (environment): FAKE_VLLM_EXIT_AT_START=1 (die while starting),
 FAKE_VLLM_PD_ALWAYS=1 (log "kvcached-pd: applied" even with KVCACHED_PD=0),
 FAKE_VLLM_SINGLE_SKEW=1 (the no-PD instance flips its 21st output token),
+FAKE_VLLM_DIE_AFTER=N (a decode instance exits on its N+1-th request),
 FAKE_VLLM_RECOMPUTE=1 (decode ignores the transferred KV and recomputes; the external
 prefix cache counters then stay at zero), KVCACHED_PD_TEST_CORRUPT=1 (decode flips one
 transferred token, like the real negative control), FAKE_VLLM_NO_KV_PARAMS=1 (prefill
@@ -139,6 +140,11 @@ def make_handler(st: State):
 
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            die_after = os.environ.get("FAKE_VLLM_DIE_AFTER")
+            if die_after and st.kv_config and st.kv_config.get("kv_role") == "kv_consumer" \
+                    and st.counter >= int(die_after):
+                print("fake: simulated crash while serving", flush=True)
+                os._exit(9)
             t_arrival = time.time()
             prompt_ids = tokenize(req["prompt"])
             if len(prompt_ids) + req.get("max_tokens", 16) > st.args.max_model_len:

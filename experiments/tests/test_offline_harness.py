@@ -313,3 +313,15 @@ def test_negative_control_matching_its_twin_fails(tmp_path):
     neg = summary["modes"]["negative"]
     assert neg["verdict"] == "FAIL"
     assert any("MATCHED its clean twin" in r for r in neg["reasons"])
+
+
+def test_equivalence_reports_a_decode_instance_dying_mid_run(tmp_path):
+    t0 = time.monotonic()
+    res, summary, _ = _run_equivalence(tmp_path, ["vanilla"], {"FAKE_VLLM_DIE_AFTER": "3"})
+    assert time.monotonic() - t0 < 60  # fail fast: no timeout per remaining prompt
+    assert res.returncode == 1
+    van = summary["modes"]["vanilla"]
+    assert van["verdict"] == "FAIL"
+    assert any("died during the requests" in r for r in van["reasons"])
+    assert "simulated crash while serving" in res.stdout
+    assert van["n_ok"] == 3
