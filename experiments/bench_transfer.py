@@ -52,8 +52,8 @@ from pd_modes import BENCH_MODES, MODES, Mode, kv_transfer_config
 from pd_proxy import PREFILL_KV_PARAMS
 from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,
                         PortAllocator, ServeSettings, default_vllm_cmd, describe_environment,
-                        indent, instance_env, kvcached_pd_evidence, registration_timings,
-                        rss_report,
+                        indent, instance_env, kvcached_pd_evidence, neutral_env,
+                        registration_timings, rss_report,
                         serve_args, stop_all, wait_until_ready, write_vllm_logging_config)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -167,7 +167,7 @@ class Bench:
         cmd = [sys.executable, os.path.join(HERE, "pd_proxy.py"), "--port", str(port),
                "--prefill", run.p_url, "--decode", run.d_url,
                "--timeout", str(self.a.request_timeout)]
-        run.proxy = ManagedProcess(f"{run.mode.name}/proxy", cmd, dict(os.environ),
+        run.proxy = ManagedProcess(f"{run.mode.name}/proxy", cmd, neutral_env(),
                                    os.path.join(self.logs, f"{run.mode.name}-proxy.log"),
                                    f"http://127.0.0.1:{port}/healthz")
         run.proxy.start()

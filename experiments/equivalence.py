@@ -39,7 +39,8 @@ from pd_modes import MODES, Mode, kv_transfer_config, resolve_modes
 from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,
                         PortAllocator, ServeSettings, default_vllm_cmd, describe_environment,
                         instance_env,
-                        indent, kvcached_pd_evidence, serve_args, stop_all, wait_until_ready,
+                        indent, kvcached_pd_evidence, neutral_env, serve_args, stop_all,
+                        wait_until_ready,
                         write_vllm_logging_config)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -134,7 +135,7 @@ class Harness:
         if run.mode.connector == "NixlPushConnector" and self.args.push_concurrent:
             cmd += ["--push-concurrent", "--prefill-engine-id", p["engine_id"],
                     "--prefill-side-channel-port", str(p["side_channel"])]
-        run.proxy = ManagedProcess(f"{run.mode.name}/proxy", cmd, dict(os.environ),
+        run.proxy = ManagedProcess(f"{run.mode.name}/proxy", cmd, neutral_env(),
                                    os.path.join(self.logs, f"{run.mode.name}-proxy.log"),
                                    f"http://127.0.0.1:{port}/healthz")
         run.proxy.start()

@@ -143,6 +143,13 @@ def instance_env(config: InstanceConfig, gpu: str, side_channel_port: int, ipc_n
     return env
 
 
+def neutral_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment without kvcached / kvcached-pd switches: for helper
+    processes (proxies) that must not activate anything."""
+    base = dict(os.environ if base is None else base)
+    return {k: v for k, v in base.items() if not k.startswith(MANAGED_ENV_PREFIXES)}
+
+
 def write_vllm_logging_config(path: str) -> str:
     """vLLM's default logging config plus two loggers the experiments need to see:
 
@@ -205,7 +212,9 @@ class ManagedProcess:
         logf.write(("\n".join(header) + "\n").encode())
         full_cmd = self.cmd
         if sys.platform.startswith("linux"):
-            full_cmd = [sys.executable, "-c", _PDEATHSIG_WRAPPER, str(os.getpid()), *self.cmd]
+            # -S: the wrapper needs no site-packages (and runs no sitecustomize)
+            full_cmd = [sys.executable, "-S", "-c", _PDEATHSIG_WRAPPER, str(os.getpid()),
+                        *self.cmd]
         self.started_at = time.time()
         try:
             self.proc = subprocess.Popen(full_cmd, env=self.env, stdout=subprocess.PIPE,
