@@ -458,7 +458,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--port-base", type=int, default=HTTP_PORT_BASE)
     ap.add_argument("--side-channel-port-base", type=int, default=SIDE_CHANNEL_PORT_BASE)
     ap.add_argument("--proxy-port-base", type=int, default=PROXY_PORT_BASE)
-    return ap.parse_args(argv)
+    # intermixed: modes may come after options (equivalence.sh OUT --parallel 4 vanilla)
+    return ap.parse_intermixed_args(argv)
 
 
 def main(argv=None) -> int:
