@@ -15,6 +15,7 @@ from kvcached_pd.patches.kvcached_coexistence import KvcachedCoexistencePatch
 from kvcached_pd.patches.nixl_layout import NixlLayoutPatch
 from kvcached_pd.patches.nixl_registration import NixlRegistrationPatch
 from kvcached_pd.patches.corrupt_received_kv import CorruptReceivedKVPatch
+from kvcached_pd.patches.staged_transport import StagedTransportPatch
 
 PATCHES: tuple[Patch, ...] = (
     KvcachedCoexistencePatch(),
@@ -23,6 +24,7 @@ PATCHES: tuple[Patch, ...] = (
     KvcachedMrv2AllocPatch(),
     NixlLayoutPatch(),
     NixlRegistrationPatch(),
+    StagedTransportPatch(),
     CorruptReceivedKVPatch(),
 )
 

@@ -182,7 +182,7 @@ def forget_resolved_layout() -> None:
         get_kv_cache_layout.cache_clear()
 
 
-def make_worker(vllm_config, kv_cache_config, push: bool = False):
+def make_worker(vllm_config, kv_cache_config, push: bool = False, engine_id: str | None = None):
     """The real NIXL connector worker vLLM would build (pull, or push from 0.24)."""
     import importlib
 
@@ -193,6 +193,7 @@ def make_worker(vllm_config, kv_cache_config, push: bool = False):
     affinity = os.sched_getaffinity(0)
     try:
         with set_current_vllm_config(vllm_config):
-            return cls(vllm_config, f"engine-{os.getpid()}", kv_cache_config=kv_cache_config)
+            return cls(vllm_config, engine_id or f"engine-{os.getpid()}",
+                       kv_cache_config=kv_cache_config)
     finally:
         os.sched_setaffinity(0, affinity)  # the CPU platform pins a core for NIXL

@@ -1,0 +1,285 @@
+"""Staged, coalesced KV transport for vLLM's pull-mode NixlConnector.
+
+Installs the hooks described in :mod:`kvcached_pd.transport.staged` on the classes
+that define them (vLLM 0.24-0.28 code layout: ``NixlBaseConnector``,
+``NixlBaseConnectorScheduler`` / ``NixlPullConnectorScheduler``,
+``NixlBaseConnectorWorker`` / ``NixlPullConnectorWorker``), plus the name
+``NixlAgentMetadata`` in the worker module so handshakes carry the staging address.
+Every hook checks that it runs on a pull connector with ``KVCACHED_PD_TRANSPORT=staged``
+and otherwise calls vLLM's method unchanged, so push mode and direct mode are vanilla.
+
+Fail-closed: a staged path that is half installed could leave P packing into memory
+that D never reads (or the reverse), so a failure to apply stops startup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+from typing import Any
+
+from kvcached_pd import config, vllm_nixl
+from kvcached_pd.patches.base import Patch
+from kvcached_pd.versions import VersionRange
+
+logger = logging.getLogger("kvcached_pd")
+
+STATE = "_kvcached_pd_staging"
+
+
+def _settings():
+    return config.read_settings(frozenset())
+
+
+def _enabled() -> bool:
+    return _settings().transport == "staged"
+
+
+def _owner(cls: type, attr: str) -> type:
+    for klass in cls.__mro__:
+        if attr in vars(klass):
+            return klass
+    raise AttributeError(f"{cls.__qualname__} has no {attr}")
+
+
+def _make_staged_metadata_class(base: type) -> type:
+    """NixlAgentMetadata plus an optional field; vanilla decoders ignore unknown keys."""
+    from kvcached_pd.transport.staged import HANDSHAKE_FIELD
+
+    cls = dataclasses.make_dataclass(
+        "NixlAgentMetadata",
+        [(HANDSHAKE_FIELD, dict | None, dataclasses.field(default=None))],
+        bases=(base,),
+    )
+    cls.__module__ = __name__
+    cls.__doc__ = f"{base.__doc__ or ''}\n(kvcached-pd: + optional {HANDSHAKE_FIELD})"
+    return cls
+
+
+class StagedTransportPatch(Patch):
+    name = "staged_transport"
+    summary = "KVCACHED_PD_TRANSPORT=staged: P packs into ordinary staging, D pulls it with a few descriptors"
+    target_module = vllm_nixl.NIXL_PACKAGE
+    vllm_range = VersionRange("0.24", "0.29")
+    fail_closed = True
+
+    def applies(self, vllm_version: str | None = None) -> tuple[bool, str]:
+        if not _enabled():
+            return False, f"{config.KVCACHED_PD_TRANSPORT} is not 'staged'"
+        return super().applies(vllm_version)
+
+    def _apply(self) -> None:
+        package = vllm_nixl.nixl_package()
+        base_worker_mod = importlib.import_module(f"{vllm_nixl.NIXL_PACKAGE}.base_worker")
+        base_sched_mod = importlib.import_module(f"{vllm_nixl.NIXL_PACKAGE}.base_scheduler")
+        pull_worker_cls = package.NixlPullConnectorWorker
+        pull_sched_cls = package.NixlPullConnectorScheduler
+        connector_cls = package.NixlBaseConnector
+
+        original_meta_cls = base_worker_mod.NixlAgentMetadata
+        staged_meta_cls = _make_staged_metadata_class(original_meta_cls)
+        self._replace(base_worker_mod, "NixlAgentMetadata", staged_meta_cls)
+
+        hooks = {
+            (pull_sched_cls, "update_state_after_alloc"): _sched_update_state_after_alloc,
+            (pull_sched_cls, "build_connector_meta"): functools.partial(
+                _sched_build_connector_meta, base_sched_mod.yield_req_data),
+            (pull_sched_cls, "request_finished"): _sched_request_finished,
+            (pull_sched_cls, "update_connector_output"): _sched_update_connector_output,
+            (pull_worker_cls, "register_kv_caches"): functools.partial(
+                _worker_register_kv_caches, staged_meta_cls, original_meta_cls),
+            (pull_worker_cls, "add_remote_agent"): _worker_add_remote_agent,
+            (pull_worker_cls, "start_load_kv"): _worker_start_load_kv,
+            (pull_worker_cls, "_read_blocks_for_req"): _worker_read_blocks_for_req,
+            (pull_worker_cls, "get_finished"): _worker_get_finished,
+            (pull_worker_cls, "_handle_failed_transfer"): _worker_handle_failed_transfer,
+            (connector_cls, "wait_for_save"): _connector_wait_for_save,
+        }
+        for (cls, attr), hook in hooks.items():
+            owner = _owner(cls, attr)
+            original = vars(owner)[attr]
+            self._replace(owner, attr, _wrap(hook, original))
+
+
+def _wrap(hook, original):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        return hook(original, self, *args, **kwargs)
+
+    return method
+
+
+# ------------------------------------------------------------------------- scheduler
+def _sched_state(sched: Any):
+    """The scheduler's staging state; None for push schedulers or unsupported models."""
+    from kvcached_pd.transport.staged import SchedulerStaging
+
+    state = vars(sched).get(STATE, False)
+    if state is False:
+        state = None
+        if "Push" not in type(sched).__name__:  # hooks on shared base classes
+            state = SchedulerStaging.create(sched, _settings().staging_mb)
+            if state is None:
+                logger.warning("kvcached-pd: staged transport does not serve this model "
+                               "(needs TP=1 and one full-attention KV group); direct path")
+        setattr(sched, STATE, state)
+    return state
+
+
+def _sched_update_state_after_alloc(original, self, request, blocks, num_external_tokens):
+    result = original(self, request, blocks, num_external_tokens)
+    params = request.kv_transfer_params or {}
+    state = _sched_state(self)
+    if state is not None and params.get("do_remote_decode"):
+        state.track(request)
+    return result
+
+
+def _sched_build_connector_meta(yield_req_data, original, self, scheduler_output):
+    from kvcached_pd.transport.staged import PARAMS_KEY
+
+    recv = {rid: (req.kv_transfer_params or {}).get(PARAMS_KEY)
+            for rid, (req, _) in getattr(self, "_reqs_need_recv", {}).items()}
+    meta = original(self, scheduler_output)
+    state = _sched_state(self)
+    meta.kvcached_pd_recv = {rid: info for rid, info in recv.items() if info}
+    if state is not None:
+        state.on_step(scheduler_output, meta, yield_req_data)
+    else:
+        meta.kvcached_pd_pack = {}
+    return meta
+
+
+def _sched_request_finished(original, self, request, block_ids):
+    delay_free, params = original(self, request, block_ids)
+    state = _sched_state(self)
+    if state is not None:
+        state.on_finished(request, delay_free, params)
+    return delay_free, params
+
+
+def _sched_update_connector_output(original, self, connector_output):
+    result = original(self, connector_output)
+    state = _sched_state(self)
+    if state is not None:
+        for req_id in getattr(connector_output, "finished_sending", None) or ():
+            state.release(req_id)
+    return result
+
+
+# ---------------------------------------------------------------------------- worker
+def _worker_state(worker: Any):
+    return vars(worker).get(STATE)
+
+
+def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, self, kv_caches):
+    from kvcached_pd.transport.staged import (
+        HANDSHAKE_FIELD, WorkerStaging, build_layer_views, packed_format_for,
+        staging_capacity_bytes,
+    )
+    from kvcached_pd.transport.staging import StagingBuffer
+
+    if "Push" in type(self).__name__:  # the hook sits on the shared base class
+        return original(self, kv_caches)
+    fmt = packed_format_for(self.kv_cache_config, self.world_size)
+    if fmt is None or self.use_host_buffer:
+        logger.warning("kvcached-pd: staged transport does not serve this worker "
+                       "(TP=%d, host buffer=%s); direct path", self.world_size, self.use_host_buffer)
+        return original(self, kv_caches)
+    first = next(iter(kv_caches.values()))
+    settings = _settings()
+    buffer = StagingBuffer(staging_capacity_bytes(settings.staging_mb), first.device, alignment=4096)
+    device_id = max(first.get_device(), 0)
+    descs = self.nixl_wrapper.get_reg_descs(
+        [(int(buffer.tensor.data_ptr()), int(buffer.tensor.numel()), device_id, "")],
+        self.nixl_memory_type,
+    )
+    self.nixl_wrapper.register_memory(descs, backends=self.nixl_backends)
+    self._registered_descs.append(descs)
+    result = original(self, kv_caches)
+    state = WorkerStaging(fmt=fmt, buffer=buffer)
+    state.layers, state.kernel_block_size = build_layer_views(self, self.device_kv_caches)
+    state.ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1) or 1)
+    setattr(self, STATE, state)
+    _republish_handshake(self, state, staged_meta_cls, HANDSHAKE_FIELD, device_id)
+    logger.info(
+        "kvcached-pd: staged transport ready: %d MiB staging registered with NIXL (%s), "
+        "packed format %s, %d layers x %d-token kernel blocks",
+        buffer.tensor.numel() >> 20, self.nixl_memory_type, fmt.to_dict(),
+        state.layers.num_layers, state.kernel_block_size,
+    )
+    return result
+
+
+def _republish_handshake(worker, state, staged_meta_cls, field_name, device_id) -> None:
+    import msgspec
+
+    payload = worker.xfer_handshake_metadata
+    meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=staged_meta_cls)
+    setattr(meta, field_name, state.handshake_fields(device_id))
+    worker.xfer_handshake_metadata = type(payload)(
+        compatibility_hash=payload.compatibility_hash,
+        agent_metadata_bytes=msgspec.msgpack.Encoder().encode(meta),
+    )
+
+
+def _worker_add_remote_agent(original, self, nixl_agent_meta, *args, **kwargs):
+    from kvcached_pd.transport.staged import HANDSHAKE_FIELD
+
+    result = original(self, nixl_agent_meta, *args, **kwargs)
+    state = _worker_state(self)
+    staged = getattr(nixl_agent_meta, HANDSHAKE_FIELD, None)
+    if state is not None and staged:
+        state.remote[nixl_agent_meta.engine_id] = dict(staged)
+    return result
+
+
+def _worker_start_load_kv(original, self, metadata):
+    state = _worker_state(self)
+    if state is not None:
+        state.recv_info.update(getattr(metadata, "kvcached_pd_recv", {}) or {})
+    return original(self, metadata)
+
+
+def _worker_read_blocks_for_req(original, self, req_id, meta):
+    from kvcached_pd.transport.staged import start_staged_read
+
+    state = _worker_state(self)
+    if state is not None and start_staged_read(self, state, req_id, meta):
+        return None
+    return original(self, req_id, meta)
+
+
+def _worker_get_finished(original, self, *args, **kwargs):
+    from kvcached_pd.transport.staged import finish_staged_reads
+
+    state = _worker_state(self)
+    if state is None:
+        return original(self, *args, **kwargs)
+    recving_meta = dict(self._recving_metadata)
+    done_sending, done_recving = original(self, *args, **kwargs)
+    finish_staged_reads(self, state, set(done_recving or ()), recving_meta)
+    return done_sending, done_recving
+
+
+def _worker_handle_failed_transfer(original, self, req_id, handle):
+    from kvcached_pd.transport.staged import drop_failed
+
+    state = _worker_state(self)
+    if state is not None:
+        drop_failed(state, req_id)
+    return original(self, req_id, handle)
+
+
+def _connector_wait_for_save(original, self):
+    from kvcached_pd.transport.staged import pack_for_requests
+
+    result = original(self)
+    worker = getattr(self, "connector_worker", None)
+    state = _worker_state(worker) if worker is not None else None
+    if state is not None:
+        packs = getattr(self._connector_metadata, "kvcached_pd_pack", None) or {}
+        pack_for_requests(worker, state, packs)
+    return result

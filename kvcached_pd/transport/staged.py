@@ -1,0 +1,321 @@
+"""The staged, coalesced data path, plugged into vLLM's pull-mode NixlConnector.
+
+vLLM's control plane stays as it is: handshake, ``kv_transfer_params``, D's completion
+notification to P, P's abort timeout, stats. Only the bytes take another path:
+
+prefill (P)
+  scheduler  ``update_state_after_alloc``: remember ``do_remote_decode`` requests;
+             ``build_connector_meta``: follow their block ids; in the step that
+             schedules a request's last prompt tokens, reserve an extent of P's staging
+             region and tell the worker to pack there (``meta.kvcached_pd_pack``);
+             ``request_finished``: add the extent to the ``kv_transfer_params`` D gets;
+             ``update_connector_output``: free the extent exactly when vLLM frees P's
+             blocks (D's notification, or P's abort timeout), or at once if the request
+             did not finish for a remote decode.
+  worker     ``wait_for_save`` (after that step's forward, same stream): gather every
+             layer's blocks into the extent in the canonical packed format, and wait for
+             it, so D can never read a half-written extent.
+decode (D)
+  worker     ``_read_blocks_for_req``: instead of one descriptor per block x layer, READ
+             the extent into D's own staging with a few large descriptors, carrying the
+             same notification vLLM would send; ``get_finished``: once NIXL reports the
+             READ done, scatter the extent into D's blocks (stream-ordered before any
+             forward that reads them) and release D's extent when that scatter is done.
+
+Kvcached memory is never the remote side of a NIXL transfer: both staging regions are
+ordinary device allocations, registered once. The staging address and packed format
+travel in the handshake metadata (extra fields that vanilla peers ignore).
+
+Fallbacks, never errors: no room in P's staging -> no staging params -> D reads blocks
+directly; no room in D's staging, no staged peer, or a format mismatch -> D reads
+blocks directly (logged). Scope: pull mode, TP=1, one full-attention KV-cache group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcached_pd.transport.format import PackedFormat
+from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
+from kvcached_pd.transport.pack import pack_request, unpack_request
+from kvcached_pd.transport.staging import Extent, ExtentAllocator, StagingBuffer
+
+logger = logging.getLogger("kvcached_pd")
+
+PARAMS_KEY = "kvcached_pd_staged"  # in kv_transfer_params, P -> D
+HANDSHAKE_FIELD = "kvcached_pd_staged"  # in NIXL agent metadata
+CHUNK_BYTES = 64 << 20  # one NIXL descriptor per 64 MiB of extent
+ALIGNMENT = 4096
+
+
+def staging_capacity_bytes(staging_mb: int) -> int:
+    return staging_mb << 20
+
+
+def packed_format_for(kv_cache_config: Any, tp_size: int) -> PackedFormat | None:
+    """The canonical format of this engine's cache, or None if staging cannot serve it."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", [])
+    if len(groups) != 1:
+        return None
+    spec = groups[0].kv_cache_spec
+    heads, head_dim, dtype = (getattr(spec, a, None) for a in ("num_kv_heads", "head_size", "dtype"))
+    if None in (heads, head_dim, dtype) or type(spec).__name__ != "FullAttentionSpec":
+        return None
+    if tp_size != 1:
+        return None
+    return PackedFormat.for_cache(len(groups[0].layer_names), heads, head_dim, dtype)
+
+
+# ------------------------------------------------------------------------- scheduler
+@dataclass
+class _Tracked:
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerStaging:
+    """Per-scheduler state: P-side extents, mirrored 1:1 on the (single) worker."""
+
+    fmt: PackedFormat
+    block_size: int
+    allocator: ExtentAllocator
+    tracked: dict[str, _Tracked] = field(default_factory=dict)
+    extents: dict[str, tuple[Extent, dict[str, Any]]] = field(default_factory=dict)
+    fallbacks: int = 0
+
+    @classmethod
+    def create(cls, scheduler: Any, staging_mb: int) -> "SchedulerStaging | None":
+        tp = scheduler.vllm_config.parallel_config.tensor_parallel_size
+        fmt = packed_format_for(scheduler.kv_cache_config, tp)
+        if fmt is None:
+            return None
+        return cls(fmt=fmt, block_size=int(scheduler.block_size),
+                   allocator=ExtentAllocator(staging_capacity_bytes(staging_mb), ALIGNMENT))
+
+    def track(self, request: Any) -> None:
+        self.tracked.setdefault(request.request_id, _Tracked(request))
+
+    def on_step(self, scheduler_output: Any, meta: Any, yield_req_data) -> None:
+        """Follow block ids; reserve and order a pack when a prefill completes."""
+        packs: dict[str, dict[str, Any]] = {}
+        num_scheduled = scheduler_output.num_scheduled_tokens or {}
+        for req_id, new_block_id_groups, _ in yield_req_data(scheduler_output):
+            tracked = self.tracked.get(req_id)
+            if tracked is None or new_block_id_groups is None:
+                continue
+            tracked.block_ids.extend(new_block_id_groups[0])
+            req = tracked.request
+            if req.num_computed_tokens + num_scheduled.get(req_id, 0) < req.num_prompt_tokens:
+                continue  # a later chunk completes the prompt
+            del self.tracked[req_id]
+            num_tokens = int(req.num_prompt_tokens)
+            n_blocks = math.ceil(num_tokens / self.block_size)
+            block_ids = tracked.block_ids[:n_blocks]
+            n_tok_slots = n_blocks * self.block_size
+            nbytes = self.fmt.extent_bytes(n_tok_slots)
+            extent = self.allocator.alloc(nbytes, req_id)
+            if extent is None:
+                self.fallbacks += 1
+                logger.warning(
+                    "kvcached-pd: staging full (%d MiB used of %d) for request %s (%d MiB): "
+                    "it will travel by the direct path",
+                    self.allocator.used_bytes >> 20, self.allocator.capacity_bytes >> 20,
+                    req_id, nbytes >> 20,
+                )
+                continue
+            info = {"offset": extent.offset, "nbytes": nbytes, "n_tok_slots": n_tok_slots,
+                    "num_tokens": num_tokens, "format": self.fmt.to_dict()}
+            self.extents[req_id] = (extent, info)
+            packs[req_id] = {"block_ids": list(block_ids), **info}
+        meta.kvcached_pd_pack = packs
+
+    def on_finished(self, request: Any, delay_free: bool, params: dict | None) -> None:
+        req_id = request.request_id
+        self.tracked.pop(req_id, None)
+        entry = self.extents.get(req_id)
+        if entry is None:
+            return
+        if delay_free and params is not None and params.get("remote_block_ids") is not None:
+            params[PARAMS_KEY] = dict(entry[1])
+        else:
+            self.release(req_id)
+
+    def release(self, req_id: str) -> None:
+        entry = self.extents.pop(req_id, None)
+        if entry is not None:
+            self.allocator.free(entry[0])
+
+
+# ---------------------------------------------------------------------------- worker
+@dataclass
+class WorkerStaging:
+    """Per-worker state: the staging region, layer views, remote peers, D's pending reads."""
+
+    fmt: PackedFormat
+    buffer: StagingBuffer
+    layers: KVCacheLayers | None = None
+    kernel_block_size: int = 0
+    ratio: int = 1
+    remote: dict[str, dict[str, Any]] = field(default_factory=dict)  # engine_id -> staged
+    recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pending: dict[str, tuple[Extent, dict[str, Any], float]] = field(default_factory=dict)
+    releasing: list[tuple[Any, Extent]] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=lambda: {
+        "packs": 0, "pack_bytes": 0, "pack_s": 0.0, "reads": 0, "read_bytes": 0,
+        "handoff_s": 0.0, "unpack_s": 0.0, "fallbacks": 0})
+
+    def handshake_fields(self, device_id: int) -> dict[str, Any]:
+        return {"base": int(self.buffer.tensor.data_ptr()),
+                "nbytes": int(self.buffer.tensor.numel()),
+                "device_id": int(device_id), "format": self.fmt.to_dict()}
+
+    def region(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.buffer.tensor[offset: offset + nbytes]
+
+    def kernel_ids(self, logical_ids: list[int]) -> list[int]:
+        r = self.ratio
+        return [b * r + i for b in logical_ids for i in range(r)]
+
+    def reap(self) -> None:
+        """Free D extents whose scatter has finished on the device."""
+        still = []
+        for event, extent in self.releasing:
+            if event is None or event.query():
+                self.buffer.free(extent)
+            else:
+                still.append((event, extent))
+        self.releasing = still
+
+
+def build_layer_views(worker: Any, kv_caches: dict[str, torch.Tensor]) -> tuple[KVCacheLayers, int]:
+    group = worker.kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    kernel_bs = int(worker.block_size)  # after vLLM's kernel block-size sync
+    views = []
+    seen = set()
+    for name in group.layer_names:
+        cache = kv_caches[name]
+        if cache.data_ptr() in seen:
+            continue
+        seen.add(cache.data_ptr())
+        views.append(logical_kv_view(cache, AttnCacheSpec(kernel_bs, spec.num_kv_heads, spec.head_size)))
+    return KVCacheLayers.from_views(views), kernel_bs
+
+
+def pack_for_requests(worker: Any, st: WorkerStaging, packs: dict[str, dict[str, Any]]) -> None:
+    if not packs or st.layers is None:
+        return
+    t0 = time.perf_counter()
+    for req_id, order in packs.items():
+        kernel_ids = st.kernel_ids(order["block_ids"])
+        n_tok_slots = len(kernel_ids) * st.kernel_block_size
+        if n_tok_slots != order["n_tok_slots"]:
+            raise RuntimeError(
+                f"kvcached-pd: request {req_id}: scheduler planned {order['n_tok_slots']} token "
+                f"slots, worker has {n_tok_slots}; refusing to pack a mis-sized extent"
+            )
+        # The scheduler reserved [offset, offset + nbytes) for this request; it frees it.
+        pack_request(st.layers, kernel_ids, st.region(order["offset"], order["nbytes"]), st.fmt)
+        st.stats["packs"] += 1
+        st.stats["pack_bytes"] += order["nbytes"]
+    if st.buffer.tensor.is_cuda:
+        torch.cuda.current_stream(st.buffer.tensor.device).synchronize()
+    st.stats["pack_s"] += time.perf_counter() - t0
+
+
+def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) -> bool:
+    """Post the coalesced READ for one request; False means "use the direct path"."""
+    info = st.recv_info.pop(req_id, None)
+    if info is None or meta.remote is None:
+        return False
+    engine_id = meta.remote.engine_id
+    peer = st.remote.get(engine_id)
+    reason = None
+    if peer is None:
+        reason = "the prefill side offered no staging in its handshake"
+    else:
+        try:
+            st.fmt.check_compatible(PackedFormat.from_dict(info["format"]))
+        except ValueError as exc:
+            reason = f"packed formats differ: {exc}"
+    if reason is None:
+        nbytes = int(info["nbytes"])
+        extent = st.buffer.alloc(nbytes, req_id)
+        if extent is None:
+            reason = f"decode staging full ({st.buffer.allocator.used_bytes >> 20} MiB used)"
+    if reason is not None:
+        st.stats["fallbacks"] += 1
+        logger.warning("kvcached-pd: request %s travels by the direct path: %s", req_id, reason)
+        return False
+    local_base = int(st.buffer.tensor.data_ptr()) + extent.offset
+    remote_base = int(peer["base"]) + int(info["offset"])
+    local, remote = [], []
+    for start in range(0, nbytes, CHUNK_BYTES):
+        length = min(CHUNK_BYTES, nbytes - start)
+        local.append((local_base + start, length, worker.device_id))
+        remote.append((remote_base + start, length, int(peer["device_id"])))
+    wrapper = worker.nixl_wrapper
+    agent = worker._remote_agents[engine_id][(0, 0)]
+    notif_id = f"{meta.remote.request_id}:{worker.world_size}".encode()
+    handle = None
+    try:
+        handle = wrapper.initialize_xfer(
+            "READ",
+            wrapper.get_xfer_descs(local, worker.nixl_memory_type),
+            wrapper.get_xfer_descs(remote, worker.nixl_memory_type),
+            agent,
+            notif_id,
+        )
+        wrapper.transfer(handle)
+    except Exception as exc:  # noqa: BLE001 - vLLM's own failure path takes over
+        st.buffer.free(extent)
+        logger.error("kvcached-pd: staged READ for %s failed to start: %s", req_id, exc)
+        worker._handle_failed_transfer(req_id, handle)
+        return True
+    worker._recving_transfers[req_id].append(handle)
+    st.pending[req_id] = (extent, info, time.perf_counter())
+    return True
+
+
+def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
+                        recving_meta: dict[str, Any]) -> None:
+    """Scatter completed READs into the request's blocks; free extents once scattered."""
+    for req_id in list(done_recving):
+        entry = st.pending.pop(req_id, None)
+        if entry is None:
+            continue
+        extent, info, t0 = entry
+        meta = recving_meta.get(req_id)
+        ids = list((meta.local_physical_block_ids or [[]])[0]) if meta is not None else []
+        kbs = st.kernel_block_size
+        num_tokens = min(int(info["num_tokens"]), len(ids) * kbs)
+        if num_tokens > 0:
+            t1 = time.perf_counter()
+            ids = ids[: math.ceil(num_tokens / kbs)]
+            unpack_request(st.layers, ids, st.region(extent.offset, int(info["nbytes"])),
+                           st.fmt, num_tokens, int(info["n_tok_slots"]))
+            st.stats["unpack_s"] += time.perf_counter() - t1
+        event = None
+        if st.buffer.tensor.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(st.buffer.tensor.device))
+        st.releasing.append((event, extent))
+        st.stats["reads"] += 1
+        st.stats["read_bytes"] += int(info["nbytes"])
+        st.stats["handoff_s"] += time.perf_counter() - t0
+        logger.debug("kvcached-pd: staged handoff of %s: %d bytes in %.3f ms", req_id,
+                     int(info["nbytes"]), 1e3 * (time.perf_counter() - t0))
+    st.reap()
+
+
+def drop_failed(st: WorkerStaging, req_id: str) -> None:
+    entry = st.pending.pop(req_id, None)
+    if entry is not None:
+        st.releasing.append((None, entry[0]))

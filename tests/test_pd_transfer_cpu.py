@@ -1,0 +1,188 @@
+"""A prefill worker and a decode worker move a request's KV over real NIXL, on the CPU.
+
+Both are vLLM's real pull-mode ``NixlConnectorWorker`` with real NIXL agents (UCX,
+host memory) in one process, over KV tensors from kvcached's real ``alloc_kv_cache``
+(virtual block dimension, vLLM 0.26's packed K|V layout). The handshake is vLLM's
+``add_remote_agent`` fed with P's own published metadata; the transfer is driven by
+vLLM's ``start_load_kv`` / ``get_finished``. What is checked is the bytes: after the
+handoff, every token of the prompt in D's blocks equals P's, whichever data path.
+
+- direct: vLLM's per-block descriptors over the physical budget (the registration
+  patch's product), remote side = P's kvcached tensors;
+- staged: P packs into its staging, D READs the extent and unpacks (the staged
+  transport), including P and D with different block sizes;
+- fallback: D has no staging peer and silently takes the direct path.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import pytest
+import torch
+
+from kvcached_pd.patches import get_patch
+from kvcached_pd.registry import REGISTRY
+from tests.conftest import vllm_release
+from tests.support import kvcached_cpu
+from tests.support import vllm_nixl_worker as vw
+
+pytestmark = [
+    pytest.mark.skipif(not kvcached_cpu.available(), reason="kvcached source not fetched"),
+    pytest.mark.skipif(not (0, 24) <= vllm_release() < (0, 29),
+                       reason="staged transport hooks target vLLM 0.24-0.28"),
+]
+
+HEADS, HEAD_DIM, LAYERS, BUDGET = 2, 64, 3, 12
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+PATCHES = ("kvcached_alloc", "nixl_layout", "nixl_registration", "staged_transport")
+
+
+@pytest.fixture
+def staged_env(kvcached_env):
+    kvcached_env.setenv("KVCACHED_PD_TRANSPORT", "staged")
+    kvcached_env.setenv("KVCACHED_PD_STAGING_MB", "4")
+    kvcached_cpu.install_stand_ins()
+    for name in PATCHES:
+        get_patch(name).patch()
+    vw.forget_resolved_layout()
+    REGISTRY.clear()
+    yield kvcached_env
+    for name in reversed(PATCHES):
+        get_patch(name).unpatch()
+    vw.forget_resolved_layout()
+    REGISTRY.clear()
+
+
+def make_side(block_size: int, seed: int, staging: bool = True):
+    model = vw.write_tiny_llama(tempfile.mkdtemp(), LAYERS, HEADS, HEAD_DIM)
+    config = vw.make_vllm_config(model, block_size=block_size)
+    vw.ensure_distributed(config)
+    backend = vw.attention_backend("FLASH_ATTN")
+    shape = vw.vllm_kv_shape(backend, BUDGET, block_size, HEADS, HEAD_DIM)
+    with kvcached_cpu.fake_device() as kvi:
+        tensors = kvi.alloc_kv_cache(shape, block_size, torch.float16, "cpu", LAYERS)
+    gen = torch.Generator().manual_seed(seed)
+    for t in tensors:  # fill the whole virtual tensor: stray reads would show up
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
+    kv_cache_config = vw.kv_cache_config(LAYER_NAMES, BUDGET, block_size, HEADS, HEAD_DIM)
+    with vw.backend_lookup(backend):
+        worker = vw.make_worker(config, kv_cache_config, engine_id=f"engine-{seed}")
+        worker.register_kv_caches(dict(zip(LAYER_NAMES, tensors)))
+    return worker, tensors, backend
+
+
+def handshake(d_worker, p_worker, backend):
+    """What vLLM's _nixl_handshake does with P's payload, minus the socket."""
+    import importlib
+
+    import msgspec
+
+    base_worker = importlib.import_module(f"{vw.NIXL}.base_worker")
+    meta = msgspec.msgpack.decode(p_worker.xfer_handshake_metadata.agent_metadata_bytes,
+                                  type=base_worker.NixlAgentMetadata)
+    with vw.backend_lookup(backend):
+        agent = d_worker.add_remote_agent(meta, 0, 1)
+    d_worker._remote_agents[meta.engine_id] = {(0, 0): agent}
+    return meta
+
+
+def tokens(tensors, block_ids, block_size, num_tokens):
+    """(layer, token, K|V...) content of the first num_tokens tokens of a request."""
+    out = []
+    for t in tensors:  # vLLM 0.26 packed layout: (N, H, bs, 2D) logical
+        blocks = t[block_ids]  # (nb, H, bs, 2D)
+        out.append(blocks.permute(0, 2, 1, 3).reshape(-1, HEADS, 2 * HEAD_DIM)[:num_tokens])
+    return torch.stack(out)
+
+
+def run_transfer(p_worker, d_worker, p_block_ids, d_block_ids, num_tokens, staged_info,
+                 p_block_size):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    from kvcached_pd.transport.staged import pack_for_requests
+
+    if staged_info is not None:
+        pack_for_requests(p_worker, p_worker._kvcached_pd_staging,
+                          {"req-1": {"block_ids": p_block_ids, **staged_info}})
+    params = {
+        "remote_block_ids": [p_block_ids], "remote_engine_id": p_worker.engine_id,
+        "remote_request_id": "req-1", "remote_host": "127.0.0.1", "remote_port": 0,
+        "remote_block_size": p_block_size,
+    }
+    meta = NixlConnectorMetadata()
+    meta.add_new_req_to_recv(request_id="req-1", local_block_ids=[d_block_ids],
+                             kv_transfer_params=params)
+    meta.kvcached_pd_recv = {"req-1": staged_info} if staged_info else {}
+    d_worker.start_load_kv(meta)
+    deadline = time.time() + 60
+    done_recv, done_send = set(), set()
+    while time.time() < deadline and not ("req-1" in done_recv and "req-1" in done_send):
+        p_worker._reqs_to_send["req-1"] = time.perf_counter() + 60
+        p_worker._reqs_to_process.add("req-1")
+        _, recv = d_worker.get_finished()
+        send, _ = p_worker.get_finished()
+        done_recv |= set(recv or ())
+        done_send |= set(send or ())
+        time.sleep(0.01)
+    assert "req-1" in done_recv, "decode never finished receiving"
+    assert "req-1" in done_send, "prefill never got decode's completion notification"
+
+
+def staged_order(p_worker, n_blocks, block_size, num_tokens):
+    st = p_worker._kvcached_pd_staging
+    n_tok_slots = n_blocks * block_size
+    nbytes = st.fmt.extent_bytes(n_tok_slots)
+    return {"offset": 8192, "nbytes": nbytes, "n_tok_slots": n_tok_slots,
+            "num_tokens": num_tokens, "format": st.fmt.to_dict()}
+
+
+@pytest.mark.parametrize("p_bs,d_bs,num_tokens", [(16, 16, 75), (16, 32, 75), (16, 32, 64)])
+def test_staged_handoff_moves_every_prompt_token(staged_env, p_bs, d_bs, num_tokens):
+    p_worker, p_tensors, backend = make_side(p_bs, seed=1)
+    d_worker, d_tensors, _ = make_side(d_bs, seed=2)
+    meta = handshake(d_worker, p_worker, backend)
+    assert meta.kvcached_pd_staged["nbytes"] == 4 << 20  # staging offered in the handshake
+    p_ids = [7, 2, 9, 4, 0][: -(-num_tokens // p_bs)]
+    d_ids = [3, 10, 5, 1, 8][: -(-num_tokens // d_bs)]
+    untouched = [t[[b for b in range(BUDGET) if b not in d_ids]].clone() for t in d_tensors]
+    info = staged_order(p_worker, len(p_ids), p_bs, num_tokens)
+    run_transfer(p_worker, d_worker, p_ids, d_ids, num_tokens, info, p_bs)
+    assert torch.equal(tokens(d_tensors, d_ids, d_bs, num_tokens),
+                       tokens(p_tensors, p_ids, p_bs, num_tokens))
+    for t, before in zip(d_tensors, untouched):
+        assert torch.equal(t[[b for b in range(BUDGET) if b not in d_ids]], before)
+    st = d_worker._kvcached_pd_staging
+    assert st.stats["reads"] == 1 and st.stats["fallbacks"] == 0
+    assert st.buffer.allocator.num_live == 0  # D's extent returned after the unpack
+
+
+def test_direct_path_over_the_physical_budget(staged_env):
+    p_worker, p_tensors, backend = make_side(16, seed=3)
+    d_worker, d_tensors, _ = make_side(16, seed=4)
+    handshake(d_worker, p_worker, backend)
+    p_ids, d_ids = [5, 11, 0], [6, 1, 2]
+    run_transfer(p_worker, d_worker, p_ids, d_ids, 40, None, 16)
+    assert torch.equal(tokens(d_tensors, d_ids, 16, 40), tokens(p_tensors, p_ids, 16, 40))
+
+
+def test_decode_without_staged_peer_falls_back_to_direct(staged_env):
+    p_worker, p_tensors, backend = make_side(16, seed=5)
+    d_worker, d_tensors, _ = make_side(16, seed=6)
+    handshake(d_worker, p_worker, backend)
+    d_worker._kvcached_pd_staging.remote.clear()  # as if P ran without staging
+    p_ids, d_ids = [1, 2], [9, 4]
+    info = staged_order(p_worker, 2, 16, 30)
+    run_transfer(p_worker, d_worker, p_ids, d_ids, 30, info, 16)
+    assert torch.equal(tokens(d_tensors, d_ids, 16, 30), tokens(p_tensors, p_ids, 16, 30))
+    assert d_worker._kvcached_pd_staging.stats["fallbacks"] == 1
+
+
+def test_prefill_blocks_larger_than_decode_blocks_are_refused_by_vllm_handshake(staged_env):
+    """vLLM's own handshake check rejects P blocks larger than D's before any data path
+    is chosen; the staged format would not need it, but the direct fallback does."""
+    p_worker, _, backend = make_side(32, seed=7)
+    d_worker, _, _ = make_side(16, seed=8)
+    with pytest.raises(AssertionError, match="block size"):
+        handshake(d_worker, p_worker, backend)
