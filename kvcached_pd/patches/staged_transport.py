@@ -128,6 +128,16 @@ def _sched_state(sched: Any):
     return state
 
 
+def scheduler_staging(sched: Any):
+    """The staging bookkeeping of a NIXL connector scheduler (None if not staged)."""
+    return _sched_state(sched)
+
+
+def worker_staging(worker: Any):
+    """The staging state of a NIXL connector worker (None if not staged)."""
+    return _worker_state(worker)
+
+
 def _sched_update_state_after_alloc(original, self, request, blocks, num_external_tokens):
     result = original(self, request, blocks, num_external_tokens)
     params = request.kv_transfer_params or {}
