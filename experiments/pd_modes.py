@@ -74,6 +74,9 @@ def _pd(name: str, description: str, p: InstanceConfig, d: InstanceConfig, **kw)
 
 
 VANILLA = InstanceConfig("vanilla", KVCACHED_OFF)
+# In a mixed fleet both sides must agree on the KV layout (vLLM's handshake checks it);
+# kvcached can only be NHD, so the plain-vLLM side is told NHD too.
+VANILLA_NHD = InstanceConfig("vanilla-nhd", dict(KVCACHED_OFF, VLLM_KV_CACHE_LAYOUT="NHD"))
 OWN = InstanceConfig("kvcached-own", KVCACHED_OWN)
 PD_DIRECT = InstanceConfig("kvcached-pd-direct", kvcached_pd_env("direct"))
 PD_STAGED = InstanceConfig("kvcached-pd-staged", kvcached_pd_env("staged"))
@@ -87,8 +90,10 @@ MODES: dict[str, Mode] = {
         _pd("kvcached-pd-direct", "PD, kvcached_pd with vLLM's own descriptors",
             PD_DIRECT, PD_DIRECT),
         _pd("kvcached-pd-staged", "PD, kvcached_pd staged transport", PD_STAGED, PD_STAGED),
-        _pd("mixed-p", "kvcached+kvcached_pd (staged) on P only, vanilla D", PD_STAGED, VANILLA),
-        _pd("mixed-d", "vanilla P, kvcached+kvcached_pd (staged) on D only", VANILLA, PD_STAGED),
+        _pd("mixed-p", "kvcached+kvcached_pd (staged) on P only, vanilla D (NHD)",
+            PD_STAGED, VANILLA_NHD),
+        _pd("mixed-d", "vanilla P (NHD), kvcached+kvcached_pd (staged) on D only",
+            VANILLA_NHD, PD_STAGED),
         _pd("push", "NixlPushConnector, kvcached_pd staged on both sides", PD_STAGED, PD_STAGED,
             connector="NixlPushConnector", optional=True),
         _pd("push-vanilla",
