@@ -186,3 +186,41 @@ def test_prefill_blocks_larger_than_decode_blocks_are_refused_by_vllm_handshake(
     d_worker, _, _ = make_side(16, seed=8)
     with pytest.raises(AssertionError, match="block size"):
         handshake(d_worker, p_worker, backend)
+
+
+def test_decode_staging_full_waits_then_reads_staged(staged_env):
+    """No room on D: the read waits for an extent instead of taking the slow path."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    from kvcached_pd.transport.staged import pack_for_requests
+
+    p_worker, p_tensors, backend = make_side(16, seed=9)
+    d_worker, d_tensors, _ = make_side(16, seed=10)
+    handshake(d_worker, p_worker, backend)
+    st = d_worker._kvcached_pd_staging
+    hog = st.buffer.alloc(st.buffer.allocator.capacity_bytes - 4096, "hog")
+    p_ids, d_ids = [3, 4, 5], [0, 1, 2]
+    info = staged_order(p_worker, 3, 16, 40)
+    pack_for_requests(p_worker, p_worker._kvcached_pd_staging, {"req-1": {"block_ids": p_ids, **info}})
+    meta = NixlConnectorMetadata()
+    meta.add_new_req_to_recv(request_id="req-1", local_block_ids=[d_ids], kv_transfer_params={
+        "remote_block_ids": [p_ids], "remote_engine_id": p_worker.engine_id,
+        "remote_request_id": "req-1", "remote_host": "127.0.0.1", "remote_port": 0})
+    meta.kvcached_pd_recv = {"req-1": info}
+    d_worker.start_load_kv(meta)
+    for _ in range(5):
+        _, recv = d_worker.get_finished()
+        assert "req-1" not in (recv or ())
+    assert "req-1" in st.waiting and st.stats["fallbacks"] == 0
+    st.buffer.free(hog)
+    deadline = time.time() + 60
+    done = False
+    while time.time() < deadline and not done:
+        p_worker._reqs_to_send["req-1"] = time.perf_counter() + 60
+        p_worker._reqs_to_process.add("req-1")
+        _, recv = d_worker.get_finished()
+        p_worker.get_finished()
+        done = "req-1" in (recv or ())
+        time.sleep(0.01)
+    assert done and not st.waiting and st.stats["reads"] == 1 and st.stats["fallbacks"] == 0
+    assert torch.equal(tokens(d_tensors, d_ids, 16, 40), tokens(p_tensors, p_ids, 16, 40))

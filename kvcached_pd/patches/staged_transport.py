@@ -263,15 +263,23 @@ def _worker_read_blocks_for_req(original, self, req_id, meta):
 
 
 def _worker_get_finished(original, self, *args, **kwargs):
-    from kvcached_pd.transport.staged import finish_staged_reads
+    from kvcached_pd.transport.staged import finish_staged_reads, retry_waiting_reads
 
     state = _worker_state(self)
     if state is None:
         return original(self, *args, **kwargs)
+    if state.waiting:
+        retry_waiting_reads(self, state, lambda req_id, meta: _direct_read(self, req_id, meta))
     recving_meta = dict(self._recving_metadata)
     done_sending, done_recving = original(self, *args, **kwargs)
     finish_staged_reads(self, state, set(done_recving or ()), recving_meta)
     return done_sending, done_recving
+
+
+def _direct_read(worker, req_id, meta):
+    """vLLM's own per-block read, bypassing the staged hook."""
+    owner = _owner(type(worker), "_read_blocks_for_req")
+    return vars(owner)["_read_blocks_for_req"].__wrapped__(worker, req_id, meta)
 
 
 def _worker_handle_failed_transfer(original, self, req_id, handle):

@@ -165,6 +165,7 @@ class WorkerStaging:
     ratio: int = 1
     remote: dict[str, dict[str, Any]] = field(default_factory=dict)  # engine_id -> staged
     recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    waiting: dict[str, Any] = field(default_factory=dict)  # req_id -> meta, D staging full
     pending: dict[str, tuple[Extent, dict[str, Any], float]] = field(default_factory=dict)
     releasing: list[tuple[Any, Extent]] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=lambda: {
@@ -227,12 +228,27 @@ def pack_for_requests(worker: Any, st: WorkerStaging, packs: dict[str, dict[str,
         st.stats["pack_bytes"] += order["nbytes"]
     if st.buffer.tensor.is_cuda:
         torch.cuda.current_stream(st.buffer.tensor.device).synchronize()
-    st.stats["pack_s"] += time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    st.stats["pack_s"] += elapsed
+    _log_transfer(st, "pack", st.stats["packs"],
+                  f"{len(packs)} request(s), {sum(o['nbytes'] for o in packs.values()) >> 20} MiB "
+                  f"packed (incl. waiting for the step's forward) in {1e3 * elapsed:.2f} ms")
+
+
+def _log_transfer(st: WorkerStaging, what: str, count: float, detail: str) -> None:
+    """INFO for the first transfers and every 100th, DEBUG otherwise."""
+    level = logging.INFO if count <= 3 or count % 100 == 0 else logging.DEBUG
+    logger.log(level, "kvcached-pd: %s #%d: %s", what, int(count), detail)
 
 
 def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) -> bool:
-    """Post the coalesced READ for one request; False means "use the direct path"."""
-    info = st.recv_info.pop(req_id, None)
+    """Post the coalesced READ for one request; False means "use the direct path".
+
+    When D's staging has no room now but the extent would fit an empty region, the
+    request waits (``retry_waiting_reads`` posts it once extents come back) rather than
+    falling back: the direct path from kvcached memory runs at ~0.5 GB/s.
+    """
+    info = st.recv_info.get(req_id)
     if info is None or meta.remote is None:
         return False
     engine_id = meta.remote.engine_id
@@ -249,7 +265,15 @@ def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) ->
         nbytes = int(info["nbytes"])
         extent = st.buffer.alloc(nbytes, req_id)
         if extent is None:
-            reason = f"decode staging full ({st.buffer.allocator.used_bytes >> 20} MiB used)"
+            if nbytes <= st.buffer.allocator.capacity_bytes:
+                if req_id not in st.waiting:
+                    logger.info("kvcached-pd: decode staging full (%d MiB used); request %s "
+                                "waits for room", st.buffer.allocator.used_bytes >> 20, req_id)
+                st.waiting[req_id] = meta
+                return True
+            reason = f"its {nbytes >> 20} MiB exceed the decode staging region"
+    st.recv_info.pop(req_id, None)
+    st.waiting.pop(req_id, None)
     if reason is not None:
         st.stats["fallbacks"] += 1
         logger.warning("kvcached-pd: request %s travels by the direct path: %s", req_id, reason)
@@ -284,6 +308,16 @@ def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) ->
     return True
 
 
+def retry_waiting_reads(worker: Any, st: WorkerStaging, read_direct) -> None:
+    """Post reads that waited for room; a request whose peer vanished goes direct."""
+    st.reap()
+    for req_id, meta in list(st.waiting.items()):
+        if not start_staged_read(worker, st, req_id, meta):
+            read_direct(req_id, meta)
+        elif req_id in st.waiting:
+            break  # still no room; keep arrival order
+
+
 def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
                         recving_meta: dict[str, Any]) -> None:
     """Scatter completed READs into the request's blocks; free extents once scattered."""
@@ -310,12 +344,17 @@ def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
         st.stats["reads"] += 1
         st.stats["read_bytes"] += int(info["nbytes"])
         st.stats["handoff_s"] += time.perf_counter() - t0
-        logger.debug("kvcached-pd: staged handoff of %s: %d bytes in %.3f ms", req_id,
-                     int(info["nbytes"]), 1e3 * (time.perf_counter() - t0))
+        _log_transfer(st, "staged handoff", st.stats["reads"],
+                      f"{req_id}: {int(info['nbytes']) >> 20} MiB, READ posted to unpack "
+                      f"enqueued in {1e3 * (time.perf_counter() - t0):.2f} ms; totals "
+                      f"{st.stats['read_bytes'] / 2**30:.2f} GiB, {int(st.stats['fallbacks'])} "
+                      "direct fallbacks")
     st.reap()
 
 
 def drop_failed(st: WorkerStaging, req_id: str) -> None:
+    st.waiting.pop(req_id, None)
+    st.recv_info.pop(req_id, None)
     entry = st.pending.pop(req_id, None)
     if entry is not None:
         st.releasing.append((None, entry[0]))
