@@ -23,6 +23,9 @@ KVCACHED_PD_STAGING_MB = "KVCACHED_PD_STAGING_MB"  # staging region per worker
 KVCACHED_PD_TEST_CORRUPT = "KVCACHED_PD_TEST_CORRUPT"  # test-only negative control
 
 TRANSPORTS = ("staged", "direct")
+# Staged by default when kvcached backs the cache (kvcached memory is never a NIXL
+# remote then); direct, i.e. vLLM's own data path, for plain vLLM unless asked.
+DEFAULT_TRANSPORT_WITH_KVCACHED = "staged"
 DEFAULT_TRANSPORT = "direct"
 DEFAULT_STAGING_MB = 1024
 
@@ -89,12 +92,13 @@ def read_settings(
             f"known patches: {sorted(known_patches)}"
         )
 
-    transport = env.get(KVCACHED_PD_TRANSPORT, DEFAULT_TRANSPORT).strip().lower()
+    default = DEFAULT_TRANSPORT_WITH_KVCACHED if kvcached_enabled(env) else DEFAULT_TRANSPORT
+    transport = (env.get(KVCACHED_PD_TRANSPORT) or default).strip().lower()
     if transport not in TRANSPORTS:
         problems.append(
             f"{KVCACHED_PD_TRANSPORT}={transport!r} is not one of {list(TRANSPORTS)}"
         )
-        transport = DEFAULT_TRANSPORT
+        transport = default
 
     raw_mb = env.get(KVCACHED_PD_STAGING_MB, str(DEFAULT_STAGING_MB)).strip()
     try:

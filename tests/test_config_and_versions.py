@@ -56,6 +56,13 @@ def test_settings_report_every_bad_value():
 def test_settings_defaults_are_clean():
     s = config.read_settings(KNOWN, {})
     assert s.problems == () and not s.strict and not s.test_corrupt
+    assert s.transport == "direct"  # plain vLLM keeps vLLM's own data path
+
+
+def test_staged_transport_is_the_default_with_kvcached():
+    assert config.read_settings(KNOWN, {"ENABLE_KVCACHED": "true"}).transport == "staged"
+    off = config.read_settings(KNOWN, {"ENABLE_KVCACHED": "true", "KVCACHED_PD_TRANSPORT": "direct"})
+    assert off.transport == "direct" and off.problems == ()
 
 
 def test_split_half_view_has_two_physical_spans():

@@ -43,7 +43,10 @@ echo "$(cat vllm.sha256)  $(cat vllm.name)" | sha256sum -c -
 
 # kvcached ships as a source archive: build it against the host's CUDA torch, offline.
 if ! "$PY" -c "import kvcached.integration.vllm.interfaces" 2>/dev/null; then
-  libcuda=$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1)
+  # One of the two paths is always missing, so ls fails: under pipefail that ended this
+  # script silently on the host (2026-11-21), before kvcached was built.
+  libcuda=$( (ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null || true) | head -1)
+  [ -n "$libcuda" ] || { echo "no libcuda.so.1 found: cannot build kvcached" >&2; exit 1; }
   ln -sf "$libcuda" /tmp/libcuda.so
   LIBRARY_PATH=/tmp:/usr/local/cuda/lib64/stubs:${LIBRARY_PATH:-} \
     "$PY" -m pip install -q --no-build-isolation --no-index --no-deps --no-cache-dir ./kvcached-*.tar.gz
