@@ -40,14 +40,19 @@ layout_owners = [k for c in connectors for k in c.__mro__ if "get_required_kvcac
                  and k.__module__.startswith(vllm_nixl.NIXL_PACKAGE)]
 base_reg = vllm_nixl.nixl_owners(workers, "register_kv_caches", base_most=True)[0]
 ours_reg = vars(base_reg)["register_kv_caches"]
+chain = []  # kvcached-pd's wrappers (registration, staged transport), outermost first
+fn = ours_reg
+while hasattr(fn, "__wrapped__"):
+    chain.append(fn)
+    fn = fn.__wrapped__
 layout_fns = {vars(k)["get_required_kvcache_layout"] for k in layout_owners}
 leftovers = [f"{k.__name__}.{a}" for c in workers + connectors for k in c.__mro__
              for a in ("_kvcached_original_register_kv_caches", "_original_get_layout",
                        "_kvcached_register_patched") if a in vars(k)]
 print(json.dumps({
-    "register_is_ours": is_ours(ours_reg),
-    "register_wraps_vllm": inspect.getsourcefile(ours_reg.__wrapped__).endswith(("base_worker.py", "nixl/worker.py")),
-    "register_wraps_once": not hasattr(ours_reg.__wrapped__, "__wrapped__"),
+    "register_is_ours": bool(chain) and all(is_ours(f) for f in chain),
+    "register_wraps_vllm": inspect.getsourcefile(fn).endswith(("base_worker.py", "nixl/worker.py")),
+    "register_wraps_once": len(chain) == len({getattr(f, "__kvcached_pd_patch__") for f in chain}),
     "layout_hooks": len(layout_fns),
     "layout_all_ours": all(is_ours(f) for f in layout_fns),
     "layout_wraps_vllm": all(f.__func__.__wrapped__.__module__.startswith("vllm.") for f in layout_fns),

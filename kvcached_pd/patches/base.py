@@ -80,9 +80,12 @@ class Patch:
             return True
 
     def is_patched(self) -> bool:
+        """True while every replacement is in effect: installed, or wrapped (through
+        ``__wrapped__``) by a later patch stacked on the same method."""
         with self._lock:
             return bool(self._replacements) and all(
-                vars(r.owner).get(r.attr, _MISSING) is r.installed for r in self._replacements
+                _reaches(vars(r.owner).get(r.attr, _MISSING), r.installed)
+                for r in self._replacements
             )
 
     # -- for subclasses ---------------------------------------------------------
@@ -117,6 +120,23 @@ class Patch:
             else:
                 setattr(rep.owner, rep.attr, rep.original)
         self._replacements.clear()
+
+
+def _unwrap_descriptor(obj: Any) -> Any:
+    return obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
+
+
+def _reaches(current: Any, target: Any) -> bool:
+    if current is target:
+        return True
+    fn, target_fn = _unwrap_descriptor(current), _unwrap_descriptor(target)
+    for _ in range(16):  # a short chain of wrappers; never loop forever
+        if fn is target_fn:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return False
+    return False
 
 
 def defining_class(cls: type, attr: str) -> type:
