@@ -122,6 +122,21 @@ class Patch:
         self._replacements.clear()
 
 
+class ModuleFunctionPatch(Patch):
+    """A patch that wraps one module-level function (``target_module.target_attr``)."""
+
+    target_attr: str = ""
+
+    def wrap(self, original: Any) -> Any:
+        raise NotImplementedError
+
+    def _apply(self) -> None:
+        import importlib
+
+        module = importlib.import_module(self.target_module)
+        self._replace(module, self.target_attr, self.wrap(getattr(module, self.target_attr)))
+
+
 def _unwrap_descriptor(obj: Any) -> Any:
     return obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
 

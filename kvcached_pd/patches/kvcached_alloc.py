@@ -12,10 +12,9 @@ cannot describe and refuses to register them, so KV never moves wrongly.
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
 
-from kvcached_pd.patches.base import Patch
+from kvcached_pd.patches.base import ModuleFunctionPatch
 from kvcached_pd.registry import REGISTRY, KVCacheGeometry
 
 TARGET = "kvcached.integration.vllm.interfaces"
@@ -94,16 +93,16 @@ def _bind(original):
     return alloc_kv_cache
 
 
-class KvcachedAllocPatch(Patch):
+class KvcachedAllocPatch(ModuleFunctionPatch):
     name = "kvcached_alloc"
     summary = "record each kvcached KV tensor's geometry (virtual vs physical blocks)"
     target_module = TARGET
+    target_attr = "alloc_kv_cache"
     vllm_range = None
     fail_closed = False
 
-    def _apply(self) -> None:
-        module = importlib.import_module(TARGET)
-        self._replace(module, "alloc_kv_cache", _bind(module.alloc_kv_cache))
+    def wrap(self, original):
+        return _bind(original)
 
 
 MRV2_TARGET = "kvcached.integration.vllm.model_runner_v2"
@@ -153,13 +152,13 @@ def _bind_mrv2(original):
     return allocate_kv_cache
 
 
-class KvcachedMrv2AllocPatch(Patch):
+class KvcachedMrv2AllocPatch(ModuleFunctionPatch):
     name = "kvcached_alloc_mrv2"
     summary = "record kvcached's model-runner-V2 KV views (vLLM 0.29+) and their virtual storage"
     target_module = MRV2_TARGET
+    target_attr = "allocate_kv_cache"
     vllm_range = None
     fail_closed = False
 
-    def _apply(self) -> None:
-        module = importlib.import_module(MRV2_TARGET)
-        self._replace(module, "allocate_kv_cache", _bind_mrv2(module.allocate_kv_cache))
+    def wrap(self, original):
+        return _bind_mrv2(original)

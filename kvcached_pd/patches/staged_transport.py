@@ -21,7 +21,7 @@ import logging
 from typing import Any
 
 from kvcached_pd import config, vllm_nixl
-from kvcached_pd.patches.base import Patch
+from kvcached_pd.patches.base import Patch, defining_class
 from kvcached_pd.versions import VersionRange
 
 logger = logging.getLogger("kvcached_pd")
@@ -35,13 +35,6 @@ def _settings():
 
 def _enabled() -> bool:
     return _settings().transport == "staged"
-
-
-def _owner(cls: type, attr: str) -> type:
-    for klass in cls.__mro__:
-        if attr in vars(klass):
-            return klass
-    raise AttributeError(f"{cls.__qualname__} has no {attr}")
 
 
 def _make_staged_metadata_class(base: type) -> type:
@@ -98,7 +91,7 @@ class StagedTransportPatch(Patch):
             (connector_cls, "wait_for_save"): _connector_wait_for_save,
         }
         for (cls, attr), hook in hooks.items():
-            owner = _owner(cls, attr)
+            owner = defining_class(cls, attr)
             original = vars(owner)[attr]
             self._replace(owner, attr, _wrap(hook, original))
 
@@ -278,7 +271,7 @@ def _worker_get_finished(original, self, *args, **kwargs):
 
 def _direct_read(worker, req_id, meta):
     """vLLM's own per-block read, bypassing the staged hook."""
-    owner = _owner(type(worker), "_read_blocks_for_req")
+    owner = defining_class(type(worker), "_read_blocks_for_req")
     return vars(owner)["_read_blocks_for_req"].__wrapped__(worker, req_id, meta)
 
 
