@@ -156,6 +156,10 @@ def test_staged_handoff_moves_every_prompt_token(staged_env, p_bs, d_bs, num_tok
     st = d_worker._kvcached_pd_staging
     assert st.stats["reads"] == 1 and st.stats["fallbacks"] == 0
     assert st.buffer.allocator.num_live == 0  # D's extent returned after the unpack
+    # the staged READ went through vLLM's own NIXL telemetry: one transfer, 1 descriptor
+    assert d_worker.xfer_stats.data["num_descriptors"] == [1]
+    assert len(d_worker.xfer_stats.data["kvcached_pd_handoff_duration"]) == 1
+    assert len(p_worker.xfer_stats.data["kvcached_pd_pack_duration"]) == 1
 
 
 def test_direct_path_over_the_physical_budget(staged_env):

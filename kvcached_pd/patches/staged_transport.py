@@ -67,6 +67,7 @@ class StagedTransportPatch(Patch):
         package = vllm_nixl.nixl_package()
         base_worker_mod = importlib.import_module(f"{vllm_nixl.NIXL_PACKAGE}.base_worker")
         base_sched_mod = importlib.import_module(f"{vllm_nixl.NIXL_PACKAGE}.base_scheduler")
+        stats_mod = importlib.import_module(f"{vllm_nixl.NIXL_PACKAGE}.stats")
         pull_worker_cls = package.NixlPullConnectorWorker
         pull_sched_cls = package.NixlPullConnectorScheduler
         connector_cls = package.NixlBaseConnector
@@ -89,6 +90,10 @@ class StagedTransportPatch(Patch):
             (pull_worker_cls, "get_finished"): _worker_get_finished,
             (pull_worker_cls, "_handle_failed_transfer"): _worker_handle_failed_transfer,
             (connector_cls, "wait_for_save"): _connector_wait_for_save,
+            (stats_mod.NixlKVConnectorStats, "reset"): _stats_reset,
+            (stats_mod.NixlKVConnectorStats, "is_empty"): _stats_is_empty,
+            (stats_mod.NixlPromMetrics, "__init__"): _prom_init,
+            (stats_mod.NixlPromMetrics, "observe"): _prom_observe,
         }
         for (cls, attr), hook in hooks.items():
             owner = defining_class(cls, attr)
@@ -293,4 +298,71 @@ def _connector_wait_for_save(original, self):
     if state is not None:
         packs = getattr(self._connector_metadata, "kvcached_pd_pack", None) or {}
         pack_for_requests(worker, state, packs)
+    return result
+
+
+# ----------------------------------------------------------------------------- stats
+# vLLM's NIXL stats travel from the workers to the API server's Prometheus registry as
+# a dict of lists; kvcached-pd's series ride along under their own keys (every process
+# of the instance has this patch, so every stats object carries them).
+def _stats_reset(original, self):
+    from kvcached_pd.transport.staged import STAT_KEYS
+
+    result = original(self)
+    for key in STAT_KEYS:
+        self.data.setdefault(key, [])
+    return result
+
+
+def _stats_is_empty(original, self):
+    from kvcached_pd.transport.staged import STAT_KEYS
+
+    return original(self) and not any(self.data.get(k) for k in STAT_KEYS)
+
+
+_PROM_SERIES = (
+    # key, metric name, documentation, buckets (None: counter)
+    ("kvcached_pd_pack_duration", "vllm:kvcached_pd_pack_seconds",
+     "kvcached-pd: time to pack finished prefills into staging, per step", "time"),
+    ("kvcached_pd_handoff_duration", "vllm:kvcached_pd_handoff_seconds",
+     "kvcached-pd: decode side, staged READ posted to scatter enqueued", "time"),
+    ("kvcached_pd_unpack_duration", "vllm:kvcached_pd_unpack_seconds",
+     "kvcached-pd: decode side, scatter of an extent into KV blocks (device time)", "time"),
+    ("kvcached_pd_staging_used_bytes", "vllm:kvcached_pd_staging_used_bytes",
+     "kvcached-pd: staging occupancy, sampled at each pack and handoff", "bytes"),
+    ("kvcached_pd_direct_fallbacks", "vllm:kvcached_pd_direct_fallbacks",
+     "kvcached-pd: requests that took the direct path instead of staging", None),
+)
+_TIME_BUCKETS = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
+_BYTE_BUCKETS = [2 ** (20 + i) for i in range(0, 16, 2)]  # 1 MiB .. 16 GiB
+
+
+def _prom_init(original, self, *args, **kwargs):
+    import inspect
+
+    stats_mod = importlib.import_module(f"{vllm_nixl.NIXL_PACKAGE}.stats")
+    result = original(self, *args, **kwargs)
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    labelnames = bound.arguments["labelnames"]
+    self._kvcached_pd_metrics = {}
+    for key, name, doc, kind in _PROM_SERIES:
+        if kind is None:
+            metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+        else:
+            buckets = _TIME_BUCKETS if kind == "time" else _BYTE_BUCKETS
+            metric = self._histogram_cls(name=name, documentation=doc, buckets=buckets,
+                                         labelnames=labelnames)
+        self._kvcached_pd_metrics[key] = (
+            kind, stats_mod.create_metric_per_engine(metric, self.per_engine_labelvalues))
+    return result
+
+
+def _prom_observe(original, self, transfer_stats_data, engine_idx=0):
+    result = original(self, transfer_stats_data, engine_idx)
+    for key, (kind, per_engine) in getattr(self, "_kvcached_pd_metrics", {}).items():
+        for value in transfer_stats_data.get(key, ()):
+            if kind is None:
+                per_engine[engine_idx].inc(value)
+            else:
+                per_engine[engine_idx].observe(value)
     return result

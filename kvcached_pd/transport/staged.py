@@ -49,6 +49,21 @@ from kvcached_pd.transport.staging import Extent, ExtentAllocator, StagingBuffer
 logger = logging.getLogger("kvcached_pd")
 
 PARAMS_KEY = "kvcached_pd_staged"  # in kv_transfer_params, P -> D
+# Lists added to vLLM's NixlKVConnectorStats.data (they reach its Prometheus metrics)
+STAT_PACK = "kvcached_pd_pack_duration"  # s, per step that packed (incl. waiting for it)
+STAT_HANDOFF = "kvcached_pd_handoff_duration"  # s, D: READ posted -> scatter enqueued
+STAT_UNPACK = "kvcached_pd_unpack_duration"  # s, D: scatter time on the device
+STAT_STAGING_USED = "kvcached_pd_staging_used_bytes"  # sampled at each pack / handoff
+STAT_FALLBACKS = "kvcached_pd_direct_fallbacks"  # requests that took the direct path
+STAT_KEYS = (STAT_PACK, STAT_HANDOFF, STAT_UNPACK, STAT_STAGING_USED, STAT_FALLBACKS)
+
+
+def record_stat(worker: Any, key: str, value: float) -> None:
+    """Append to vLLM's per-worker KV-connector stats, if they carry kvcached-pd's keys."""
+    stats = getattr(worker, "xfer_stats", None)
+    series = getattr(stats, "data", {}).get(key) if stats is not None else None
+    if series is not None:
+        series.append(value)
 HANDSHAKE_FIELD = "kvcached_pd_staged"  # in NIXL agent metadata
 CHUNK_BYTES = 64 << 20  # one NIXL descriptor per 64 MiB of extent
 ALIGNMENT = 4096
@@ -167,7 +182,8 @@ class WorkerStaging:
     recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     waiting: dict[str, Any] = field(default_factory=dict)  # req_id -> meta, D staging full
     pending: dict[str, tuple[Extent, dict[str, Any], float]] = field(default_factory=dict)
-    releasing: list[tuple[Any, Extent]] = field(default_factory=list)
+    # (scatter start event, end event, extent); events are None on the CPU
+    releasing: list[tuple[Any, Any, Extent]] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=lambda: {
         "packs": 0, "pack_bytes": 0, "pack_s": 0.0, "reads": 0, "read_bytes": 0,
         "handoff_s": 0.0, "unpack_s": 0.0, "fallbacks": 0})
@@ -184,14 +200,16 @@ class WorkerStaging:
         r = self.ratio
         return [b * r + i for b in logical_ids for i in range(r)]
 
-    def reap(self) -> None:
-        """Free D extents whose scatter has finished on the device."""
+    def reap(self, worker: Any = None) -> None:
+        """Free D extents whose scatter has finished on the device; record its time."""
         still = []
-        for event, extent in self.releasing:
-            if event is None or event.query():
+        for start, end, extent in self.releasing:
+            if end is None or end.query():
                 self.buffer.free(extent)
+                if start is not None and worker is not None:
+                    record_stat(worker, STAT_UNPACK, start.elapsed_time(end) / 1e3)
             else:
-                still.append((event, extent))
+                still.append((start, end, extent))
         self.releasing = still
 
 
@@ -230,6 +248,8 @@ def pack_for_requests(worker: Any, st: WorkerStaging, packs: dict[str, dict[str,
         torch.cuda.current_stream(st.buffer.tensor.device).synchronize()
     elapsed = time.perf_counter() - t0
     st.stats["pack_s"] += elapsed
+    record_stat(worker, STAT_PACK, elapsed)
+    record_stat(worker, STAT_STAGING_USED, st.buffer.allocator.used_bytes)
     _log_transfer(st, "pack", st.stats["packs"],
                   f"{len(packs)} request(s), {sum(o['nbytes'] for o in packs.values()) >> 20} MiB "
                   f"packed (incl. waiting for the step's forward) in {1e3 * elapsed:.2f} ms")
@@ -276,6 +296,7 @@ def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) ->
     st.waiting.pop(req_id, None)
     if reason is not None:
         st.stats["fallbacks"] += 1
+        record_stat(worker, STAT_FALLBACKS, 1)
         logger.warning("kvcached-pd: request %s travels by the direct path: %s", req_id, reason)
         return False
     local_base = int(st.buffer.tensor.data_ptr()) + extent.offset
@@ -310,7 +331,7 @@ def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) ->
 
 def retry_waiting_reads(worker: Any, st: WorkerStaging, read_direct) -> None:
     """Post reads that waited for room; a request whose peer vanished goes direct."""
-    st.reap()
+    st.reap(worker)
     for req_id, meta in list(st.waiting.items()):
         if not start_staged_read(worker, st, req_id, meta):
             read_direct(req_id, meta)
@@ -330,26 +351,31 @@ def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
         ids = list((meta.local_physical_block_ids or [[]])[0]) if meta is not None else []
         kbs = st.kernel_block_size
         num_tokens = min(int(info["num_tokens"]), len(ids) * kbs)
+        start = end = None
+        if st.buffer.tensor.is_cuda:
+            stream = torch.cuda.current_stream(st.buffer.tensor.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
         if num_tokens > 0:
             t1 = time.perf_counter()
             ids = ids[: math.ceil(num_tokens / kbs)]
             unpack_request(st.layers, ids, st.region(extent.offset, int(info["nbytes"])),
                            st.fmt, num_tokens, int(info["n_tok_slots"]))
             st.stats["unpack_s"] += time.perf_counter() - t1
-        event = None
-        if st.buffer.tensor.is_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(st.buffer.tensor.device))
-        st.releasing.append((event, extent))
+        if end is not None:
+            end.record(stream)
+        st.releasing.append((start, end, extent))
         st.stats["reads"] += 1
         st.stats["read_bytes"] += int(info["nbytes"])
         st.stats["handoff_s"] += time.perf_counter() - t0
+        record_stat(worker, STAT_HANDOFF, time.perf_counter() - t0)
+        record_stat(worker, STAT_STAGING_USED, st.buffer.allocator.used_bytes)
         _log_transfer(st, "staged handoff", st.stats["reads"],
                       f"{req_id}: {int(info['nbytes']) >> 20} MiB, READ posted to unpack "
                       f"enqueued in {1e3 * (time.perf_counter() - t0):.2f} ms; totals "
                       f"{st.stats['read_bytes'] / 2**30:.2f} GiB, {int(st.stats['fallbacks'])} "
                       "direct fallbacks")
-    st.reap()
+    st.reap(worker)
 
 
 def drop_failed(st: WorkerStaging, req_id: str) -> None:
@@ -357,4 +383,4 @@ def drop_failed(st: WorkerStaging, req_id: str) -> None:
     st.recv_info.pop(req_id, None)
     entry = st.pending.pop(req_id, None)
     if entry is not None:
-        st.releasing.append((None, entry[0]))
+        st.releasing.append((None, None, entry[0]))

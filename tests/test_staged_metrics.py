@@ -1,0 +1,65 @@
+"""kvcached-pd's transport series travel in vLLM's own NIXL stats and reach its
+Prometheus metrics (the real ``NixlKVConnectorStats`` / ``NixlPromMetrics``)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.conftest import vllm_release
+
+pytestmark = pytest.mark.skipif(not (0, 24) <= vllm_release() < (0, 29),
+                                reason="staged transport hooks target vLLM 0.24-0.28")
+
+
+@pytest.fixture
+def staged(kvcached_env):
+    from kvcached_pd.patches import get_patch
+
+    kvcached_env.setenv("KVCACHED_PD_TRANSPORT", "staged")
+    patch = get_patch("staged_transport")
+    patch.patch()
+    yield
+    patch.unpatch()
+
+
+def test_series_survive_aggregation_and_reach_prometheus(staged):
+    import prometheus_client as prom
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
+        NixlKVConnectorStats, NixlPromMetrics,
+    )
+
+    from kvcached_pd.transport.staged import STAT_FALLBACKS, STAT_HANDOFF, STAT_PACK
+
+    worker_a, worker_b = NixlKVConnectorStats(), NixlKVConnectorStats()
+    assert worker_a.is_empty()
+    worker_a.data[STAT_PACK].append(0.002)  # a prefill worker that only packed
+    assert not worker_a.is_empty()  # ... is still reported
+    worker_b.data[STAT_HANDOFF].extend([0.004, 0.006])
+    worker_b.data[STAT_FALLBACKS].append(1)
+    total = NixlKVConnectorStats().aggregate(worker_a).aggregate(worker_b)
+    assert total.data[STAT_PACK] == [0.002] and total.data[STAT_HANDOFF] == [0.004, 0.006]
+    total.reduce()  # vLLM's CLI summary ignores the extra series without failing
+
+    registry = prom.CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry)
+             for cls in (prom.Counter, prom.Histogram, prom.Gauge)}
+    import tempfile
+
+    from tests.support import vllm_nixl_worker as vw
+
+    config = vw.make_vllm_config(vw.write_tiny_llama(tempfile.mkdtemp()))
+    metrics = NixlPromMetrics(config, types, ["engine"], {0: ["0"]})
+    metrics.observe(total.data, engine_idx=0)
+    value = registry.get_sample_value
+    assert value("vllm:kvcached_pd_pack_seconds_count", {"engine": "0"}) == 1
+    assert value("vllm:kvcached_pd_handoff_seconds_sum", {"engine": "0"}) == pytest.approx(0.010)
+    assert value("vllm:kvcached_pd_direct_fallbacks_total", {"engine": "0"}) == 1
+    assert value("vllm:nixl_xfer_time_seconds_count", {"engine": "0"}) == 0  # vLLM's own intact
+
+
+def test_without_the_patch_vllm_stats_are_unchanged():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    assert not any(k.startswith("kvcached_pd") for k in NixlKVConnectorStats().data)
