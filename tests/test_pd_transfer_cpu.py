@@ -55,14 +55,34 @@ def staged_env(kvcached_env):
     REGISTRY.clear()
 
 
-def make_side(block_size: int, seed: int, staging: bool = True):
+def plain_vllm_caches(block_size: int) -> list[torch.Tensor]:
+    """What vLLM 0.26 allocates without kvcached: (N, H, bs, 2D) over NHD memory."""
+    return [torch.empty(BUDGET, block_size, HEADS, 2 * HEAD_DIM, dtype=torch.float16)
+            .permute(0, 2, 1, 3) for _ in range(LAYERS)]
+
+
+def make_side(block_size: int, seed: int, kvcached: bool = True, env=None):
+    """One instance's worker. ``env`` (a monkeypatch) switches this process's gates to
+    what that instance would run with: each vLLM instance is its own process."""
+    if env is not None:
+        if kvcached:
+            env.setenv("ENABLE_KVCACHED", "true")
+            env.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+        else:  # plain vLLM with kvcached-pd; a mixed fleet agrees on NHD
+            env.setenv("ENABLE_KVCACHED", "false")
+            env.setenv("KVCACHED_PD", "1")
+            env.setenv("VLLM_KV_CACHE_LAYOUT", "NHD")
+        vw.forget_resolved_layout()
     model = vw.write_tiny_llama(tempfile.mkdtemp(), LAYERS, HEADS, HEAD_DIM)
     config = vw.make_vllm_config(model, block_size=block_size)
     vw.ensure_distributed(config)
     backend = vw.attention_backend("FLASH_ATTN")
     shape = vw.vllm_kv_shape(backend, BUDGET, block_size, HEADS, HEAD_DIM)
-    with kvcached_cpu.fake_device() as kvi:
-        tensors = kvi.alloc_kv_cache(shape, block_size, torch.float16, "cpu", LAYERS)
+    if kvcached:
+        with kvcached_cpu.fake_device() as kvi:
+            tensors = kvi.alloc_kv_cache(shape, block_size, torch.float16, "cpu", LAYERS)
+    else:
+        tensors = plain_vllm_caches(block_size)
     gen = torch.Generator().manual_seed(seed)
     for t in tensors:  # fill the whole virtual tensor: stray reads would show up
         t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
@@ -228,3 +248,17 @@ def test_decode_staging_full_waits_then_reads_staged(staged_env):
         time.sleep(0.01)
     assert done and not st.waiting and st.stats["reads"] == 1 and st.stats["fallbacks"] == 0
     assert torch.equal(tokens(d_tensors, d_ids, 16, 40), tokens(p_tensors, p_ids, 16, 40))
+
+
+@pytest.mark.parametrize("p_kvcached,d_kvcached", [(False, False), (True, False), (False, True)])
+def test_staged_handoff_with_and_without_kvcached(staged_env, p_kvcached, d_kvcached):
+    """The staged path serves plain vLLM too, and mixed pairs; kvcached's patches only
+    touch kvcached's tensors (a plain side is registered by vLLM unchanged)."""
+    p_worker, p_tensors, backend = make_side(16, seed=11, kvcached=p_kvcached, env=staged_env)
+    d_worker, d_tensors, _ = make_side(16, seed=12, kvcached=d_kvcached, env=staged_env)
+    handshake(d_worker, p_worker, backend)
+    p_ids, d_ids = [2, 8, 5], [7, 0, 3]
+    info = staged_order(p_worker, 3, 16, 33)
+    run_transfer(p_worker, d_worker, p_ids, d_ids, 33, info, 16)
+    assert torch.equal(tokens(d_tensors, d_ids, 16, 33), tokens(p_tensors, p_ids, 16, 33))
+    assert d_worker._kvcached_pd_staging.stats["reads"] == 1
