@@ -30,7 +30,10 @@ def serve_parser():
         from vllm.platforms.cpu import CpuPlatform
 
         platforms._current_platform = CpuPlatform()
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    try:  # vLLM <= 0.29
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    except ImportError:  # vLLM 0.30 moved the serve parser
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     return make_arg_parser(FlexibleArgumentParser())
