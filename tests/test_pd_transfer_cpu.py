@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from kvcached_pd.patches import get_patch
+from kvcached_pd.patches.staged_transport import worker_staging
 from kvcached_pd.registry import REGISTRY
 from tests.conftest import vllm_release
 from tests.support import kvcached_cpu
@@ -124,7 +125,7 @@ def run_transfer(p_worker, d_worker, p_block_ids, d_block_ids, num_tokens, stage
     from kvcached_pd.transport.staged import pack_for_requests
 
     if staged_info is not None:
-        pack_for_requests(p_worker, p_worker._kvcached_pd_staging,
+        pack_for_requests(p_worker, worker_staging(p_worker),
                           {"req-1": {"block_ids": p_block_ids, **staged_info}})
     params = {
         "remote_block_ids": [p_block_ids], "remote_engine_id": p_worker.engine_id,
@@ -151,7 +152,7 @@ def run_transfer(p_worker, d_worker, p_block_ids, d_block_ids, num_tokens, stage
 
 
 def staged_order(p_worker, n_blocks, block_size, num_tokens):
-    st = p_worker._kvcached_pd_staging
+    st = worker_staging(p_worker)
     n_tok_slots = n_blocks * block_size
     nbytes = st.fmt.extent_bytes(n_tok_slots)
     return {"offset": 8192, "nbytes": nbytes, "n_tok_slots": n_tok_slots,
@@ -173,7 +174,7 @@ def test_staged_handoff_moves_every_prompt_token(staged_env, p_bs, d_bs, num_tok
                        tokens(p_tensors, p_ids, p_bs, num_tokens))
     for t, before in zip(d_tensors, untouched):
         assert torch.equal(t[[b for b in range(BUDGET) if b not in d_ids]], before)
-    st = d_worker._kvcached_pd_staging
+    st = worker_staging(d_worker)
     assert st.stats["reads"] == 1 and st.stats["fallbacks"] == 0
     assert st.buffer.allocator.num_live == 0  # D's extent returned after the unpack
     # the staged READ went through vLLM's own NIXL telemetry: one transfer, 1 descriptor
@@ -195,12 +196,12 @@ def test_decode_without_staged_peer_falls_back_to_direct(staged_env):
     p_worker, p_tensors, backend = make_side(16, seed=5)
     d_worker, d_tensors, _ = make_side(16, seed=6)
     handshake(d_worker, p_worker, backend)
-    d_worker._kvcached_pd_staging.remote.clear()  # as if P ran without staging
+    worker_staging(d_worker).remote.clear()  # as if P ran without staging
     p_ids, d_ids = [1, 2], [9, 4]
     info = staged_order(p_worker, 2, 16, 30)
     run_transfer(p_worker, d_worker, p_ids, d_ids, 30, info, 16)
     assert torch.equal(tokens(d_tensors, d_ids, 16, 30), tokens(p_tensors, p_ids, 16, 30))
-    assert d_worker._kvcached_pd_staging.stats["fallbacks"] == 1
+    assert worker_staging(d_worker).stats["fallbacks"] == 1
 
 
 def test_prefill_blocks_larger_than_decode_blocks_are_refused_by_vllm_handshake(staged_env):
@@ -221,11 +222,11 @@ def test_decode_staging_full_waits_then_reads_staged(staged_env):
     p_worker, p_tensors, backend = make_side(16, seed=9)
     d_worker, d_tensors, _ = make_side(16, seed=10)
     handshake(d_worker, p_worker, backend)
-    st = d_worker._kvcached_pd_staging
+    st = worker_staging(d_worker)
     hog = st.buffer.alloc(st.buffer.allocator.capacity_bytes - 4096, "hog")
     p_ids, d_ids = [3, 4, 5], [0, 1, 2]
     info = staged_order(p_worker, 3, 16, 40)
-    pack_for_requests(p_worker, p_worker._kvcached_pd_staging, {"req-1": {"block_ids": p_ids, **info}})
+    pack_for_requests(p_worker, worker_staging(p_worker), {"req-1": {"block_ids": p_ids, **info}})
     meta = NixlConnectorMetadata()
     meta.add_new_req_to_recv(request_id="req-1", local_block_ids=[d_ids], kv_transfer_params={
         "remote_block_ids": [p_ids], "remote_engine_id": p_worker.engine_id,
@@ -261,4 +262,4 @@ def test_staged_handoff_with_and_without_kvcached(staged_env, p_kvcached, d_kvca
     info = staged_order(p_worker, 3, 16, 33)
     run_transfer(p_worker, d_worker, p_ids, d_ids, 33, info, 16)
     assert torch.equal(tokens(d_tensors, d_ids, 16, 33), tokens(p_tensors, p_ids, 16, 33))
-    assert d_worker._kvcached_pd_staging.stats["reads"] == 1
+    assert worker_staging(d_worker).stats["reads"] == 1
