@@ -9,7 +9,10 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 MATRIX=("$@")
-[ ${#MATRIX[@]} -gt 0 ] || MATRIX=(0.20.2 0.26.0 0.30.0)
+# 0.20 (split nixl package), 0.26 (GPU-validated; pull/push share a base), 0.28 (last
+# release of that code layout: the staged transport's range), 0.30 (layout resolved in
+# the EngineCore, storage-wide registration)
+[ ${#MATRIX[@]} -gt 0 ] || MATRIX=(0.20.2 0.26.0 0.28.0 0.30.0)
 VENVS=${KVCACHED_PD_VENVS:-$REPO/.venv-test}
 export HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
 

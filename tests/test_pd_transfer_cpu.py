@@ -161,6 +161,9 @@ def staged_order(p_worker, n_blocks, block_size, num_tokens):
 
 @pytest.mark.parametrize("p_bs,d_bs,num_tokens", [(16, 16, 75), (16, 32, 75), (16, 32, 64)])
 def test_staged_handoff_moves_every_prompt_token(staged_env, p_bs, d_bs, num_tokens):
+    if p_bs != d_bs and vllm_release() >= (0, 28):
+        pytest.skip("vLLM 0.28's own post-processing of smaller remote blocks copies block "
+                    "ids through pinned host memory, which needs a CUDA device")
     p_worker, p_tensors, backend = make_side(p_bs, seed=1)
     d_worker, d_tensors, _ = make_side(d_bs, seed=2)
     meta = handshake(d_worker, p_worker, backend)
