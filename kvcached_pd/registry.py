@@ -45,6 +45,18 @@ class KVCacheGeometry:
     kv_layout: str  # "NHD" or "HND" as requested from kvcached
     attention_type: str
 
+    @classmethod
+    def of(cls, tensor: Any, **fields: Any) -> "KVCacheGeometry":
+        """The record of ``tensor``: address, shape, strides and dtype read from it."""
+        return cls(
+            data_ptr=int(tensor.data_ptr()),
+            shape=tuple(tensor.shape),
+            stride=tuple(tensor.stride()),
+            dtype=str(tensor.dtype).replace("torch.", ""),
+            element_size=tensor.element_size(),
+            **fields,
+        )
+
     @property
     def block_stride_bytes(self) -> int:
         return self.stride[self.blocks_dim] * self.element_size

@@ -103,6 +103,13 @@ class Patch:
         setattr(owner, attr, new)
         self._replacements.append(_Replacement(owner, attr, original, new))
 
+    def _wrap_classmethod(self, owner: Any, attr: str, make_hook) -> None:
+        """Replace the classmethod ``owner.attr`` with ``make_hook(original_classmethod)``."""
+        original = vars(owner)[attr]
+        if not isinstance(original, classmethod):
+            raise TypeError(f"{owner.__qualname__}.{attr} is not a classmethod")
+        self._replace(owner, attr, make_hook(original))
+
     def _undo(self) -> None:
         for rep in reversed(self._replacements):
             current = vars(rep.owner).get(rep.attr, _MISSING)

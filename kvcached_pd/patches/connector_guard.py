@@ -65,8 +65,4 @@ class ConnectorGuardPatch(Patch):
 
     def _apply(self) -> None:
         module = importlib.import_module(vllm_nixl.FACTORY_MODULE)
-        factory = module.KVConnectorFactory
-        original = vars(factory)[ATTR]
-        if not isinstance(original, classmethod):
-            raise TypeError("KVConnectorFactory.create_connector is not a classmethod")
-        self._replace(factory, ATTR, _make_guard(original))
+        self._wrap_classmethod(module.KVConnectorFactory, ATTR, _make_guard)

@@ -44,15 +44,11 @@ def record_allocation(
     allocation = REGISTRY.new_allocation_id()
     out = []
     for layer_index, tensor in enumerate(tensors):
-        geometry = KVCacheGeometry(
+        geometry = KVCacheGeometry.of(
+            tensor,
             allocation=allocation,
             group_id=group_id,
             layer_index=layer_index,
-            data_ptr=int(tensor.data_ptr()),
-            shape=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
-            dtype=str(tensor.dtype).replace("torch.", ""),
-            element_size=tensor.element_size(),
             blocks_dim=dim,
             virtual_blocks=int(tensor.shape[dim]),
             physical_blocks=int(kvcache_shape[dim]) * ratio,
@@ -108,27 +104,25 @@ class KvcachedAllocPatch(ModuleFunctionPatch):
 MRV2_TARGET = "kvcached.integration.vllm.model_runner_v2"
 
 
-def record_mrv2_caches(caches: dict[str, Any], num_blocks: int) -> list[KVCacheGeometry]:
+def record_mrv2_caches(caches: dict[str, Any]) -> list[KVCacheGeometry]:
     """Describe the per-layer views kvcached's model-runner-V2 path built (vLLM 0.29+).
 
     There vLLM's own ``create_kv_cache_views`` sizes each view's block dimension to
     the budget already; what is virtual is the storage under it (one reservation
-    per pool), which vLLM 0.30's NIXL worker registers whole.
+    per pool), which vLLM 0.30's NIXL worker registers whole. That path allocates one
+    pool per layer for all KV-cache groups together, so layers are recorded under one
+    allocation (group 0); block and kernel sizes are not known here (recorded as 0).
     """
     allocation = REGISTRY.new_allocation_id()
     out = []
-    for layer_index, (name, tensor) in enumerate(caches.items()):
+    for layer_index, tensor in enumerate(caches.values()):
         block_stride_bytes = tensor.stride(0) * tensor.element_size()
         storage_bytes = tensor.untyped_storage().nbytes()
-        geometry = KVCacheGeometry(
+        geometry = KVCacheGeometry.of(
+            tensor,
             allocation=allocation,
             group_id=0,
             layer_index=layer_index,
-            data_ptr=int(tensor.data_ptr()),
-            shape=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
-            dtype=str(tensor.dtype).replace("torch.", ""),
-            element_size=tensor.element_size(),
             blocks_dim=0,
             virtual_blocks=storage_bytes // block_stride_bytes if block_stride_bytes else 0,
             physical_blocks=int(tensor.shape[0]),
@@ -146,7 +140,7 @@ def _bind_mrv2(original):
     @functools.wraps(original)
     def allocate_kv_cache(config, *args, **kwargs):
         caches = original(config, *args, **kwargs)
-        record_mrv2_caches(caches, int(config.num_blocks))
+        record_mrv2_caches(caches)
         return caches
 
     return allocate_kv_cache

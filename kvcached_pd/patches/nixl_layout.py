@@ -77,7 +77,4 @@ class NixlLayoutPatch(Patch):
                 f"no NIXL connector class in {vllm_nixl.NIXL_PACKAGE} defines {ATTR}"
             )
         for owner in owners:
-            original = vars(owner)[ATTR]
-            if not isinstance(original, classmethod):
-                raise TypeError(f"{owner.__qualname__}.{ATTR} is not a classmethod")
-            self._replace(owner, ATTR, _make_layout_hook(original))
+            self._wrap_classmethod(owner, ATTR, _make_layout_hook)

@@ -126,27 +126,20 @@ class PackedFormat:
 
     def check_compatible(self, other: PackedFormat) -> None:
         """Raise :class:`PackedFormatMismatch` naming the first field that differs."""
-        if self.version != other.version:
-            raise PackedFormatMismatch(
-                f"packed format version differs: {self.version} here, {other.version} at the peer"
-            )
-        if self.num_layers != other.num_layers:
-            raise PackedFormatMismatch(
-                f"num_layers differs: {self.num_layers} here, {other.num_layers} at the peer"
-            )
-        if self.num_kv_heads != other.num_kv_heads:
-            raise PackedFormatMismatch(
-                f"num_kv_heads differs: {self.num_kv_heads} here, {other.num_kv_heads} at the "
-                "peer (different TP sizes); TP head slicing not supported"
-            )
-        if self.head_dim != other.head_dim:
-            raise PackedFormatMismatch(
-                f"head_dim differs: {self.head_dim} here, {other.head_dim} at the peer"
-            )
-        if self.dtype != other.dtype:
-            raise PackedFormatMismatch(
-                f"KV cache dtype differs: {self.dtype} here, {other.dtype} at the peer"
-            )
+        checks = (
+            ("version", "packed format version", ""),
+            ("num_layers", "num_layers", ""),
+            ("num_kv_heads", "num_kv_heads",
+             " (different TP sizes); TP head slicing not supported"),
+            ("head_dim", "head_dim", ""),
+            ("dtype", "KV cache dtype", ""),
+        )
+        for field_name, label, consequence in checks:
+            mine, theirs = getattr(self, field_name), getattr(other, field_name)
+            if mine != theirs:
+                raise PackedFormatMismatch(
+                    f"{label} differs: {mine} here, {theirs} at the peer{consequence}"
+                )
 
 
 def _check_slots(n_tok_slots: int) -> None:
