@@ -20,6 +20,8 @@ KVCACHED_PD_DISABLE = "KVCACHED_PD_DISABLE"  # comma-separated patch names to le
 KVCACHED_PD_STRICT = "KVCACHED_PD_STRICT"  # re-raise errors of import hooks (tests)
 KVCACHED_PD_TRANSPORT = "KVCACHED_PD_TRANSPORT"  # staged | direct
 KVCACHED_PD_STAGING_MB = "KVCACHED_PD_STAGING_MB"  # staging region per worker
+KVCACHED_PD_READ_SPIN_US = "KVCACHED_PD_READ_SPIN_US"  # D: wait this long for a READ about to end
+KVCACHED_PD_TRACE = "KVCACHED_PD_TRACE"  # log one timestamped line per handoff event
 KVCACHED_PD_TEST_CORRUPT = "KVCACHED_PD_TEST_CORRUPT"  # test-only negative control
 
 TRANSPORTS = ("staged", "direct")
@@ -28,6 +30,11 @@ TRANSPORTS = ("staged", "direct")
 DEFAULT_TRANSPORT_WITH_KVCACHED = "staged"
 DEFAULT_TRANSPORT = "direct"
 DEFAULT_STAGING_MB = 1024
+# The decode side polls its staged READs once per engine step. A READ predicted to end
+# within this budget is waited for in the same step, saving a whole engine step of
+# latency for at most this much blocking. 0 turns it off.
+DEFAULT_READ_SPIN_US = 1000
+MAX_READ_SPIN_US = 20000
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -71,6 +78,8 @@ class Settings:
     strict: bool = False
     transport: str = DEFAULT_TRANSPORT
     staging_mb: int = DEFAULT_STAGING_MB
+    read_spin_us: int = DEFAULT_READ_SPIN_US
+    trace: bool = False
     test_corrupt: bool = False
     problems: tuple[str, ...] = field(default_factory=tuple)
 
@@ -109,7 +118,17 @@ def read_settings(
         problems.append(f"{KVCACHED_PD_STAGING_MB}={raw_mb!r} must be a positive integer (MiB)")
         staging_mb = DEFAULT_STAGING_MB
 
-    for name in (KVCACHED_PD_STRICT, KVCACHED_PD_TEST_CORRUPT):
+    raw_spin = env.get(KVCACHED_PD_READ_SPIN_US, str(DEFAULT_READ_SPIN_US)).strip()
+    try:
+        read_spin_us = int(raw_spin)
+        if not 0 <= read_spin_us <= MAX_READ_SPIN_US:
+            raise ValueError
+    except ValueError:
+        problems.append(f"{KVCACHED_PD_READ_SPIN_US}={raw_spin!r} must be an integer from 0 "
+                        f"(off) to {MAX_READ_SPIN_US} (microseconds)")
+        read_spin_us = DEFAULT_READ_SPIN_US
+
+    for name in (KVCACHED_PD_STRICT, KVCACHED_PD_TRACE, KVCACHED_PD_TEST_CORRUPT):
         value = env.get(name)
         if value is not None and value.strip().lower() not in _TRUE + _FALSE:
             problems.append(f"{name}={value!r} must be 0/1 or true/false")
@@ -119,6 +138,8 @@ def read_settings(
         strict=_truthy(env.get(KVCACHED_PD_STRICT)),
         transport=transport,
         staging_mb=staging_mb,
+        read_spin_us=read_spin_us,
+        trace=_truthy(env.get(KVCACHED_PD_TRACE)),
         test_corrupt=_truthy(env.get(KVCACHED_PD_TEST_CORRUPT)),
         problems=tuple(problems),
     )

@@ -118,8 +118,8 @@ def tokens(tensors, block_ids, block_size, num_tokens):
     return torch.stack(out)
 
 
-def run_transfer(p_worker, d_worker, p_block_ids, d_block_ids, num_tokens, staged_info,
-                 p_block_size):
+def start_transfer(p_worker, d_worker, p_block_ids, d_block_ids, staged_info, p_block_size):
+    """P packs (staged), D gets the request in its metadata and posts the READ."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
     from kvcached_pd.transport.staged import pack_for_requests
@@ -137,6 +137,11 @@ def run_transfer(p_worker, d_worker, p_block_ids, d_block_ids, num_tokens, stage
                              kv_transfer_params=params)
     meta.kvcached_pd_recv = {"req-1": staged_info} if staged_info else {}
     d_worker.start_load_kv(meta)
+
+
+def run_transfer(p_worker, d_worker, p_block_ids, d_block_ids, num_tokens, staged_info,
+                 p_block_size):
+    start_transfer(p_worker, d_worker, p_block_ids, d_block_ids, staged_info, p_block_size)
     deadline = time.time() + 60
     done_recv, done_send = set(), set()
     while time.time() < deadline and not ("req-1" in done_recv and "req-1" in done_send):
@@ -184,6 +189,49 @@ def test_staged_handoff_moves_every_prompt_token(staged_env, p_bs, d_bs, num_tok
     assert d_worker.xfer_stats.data["num_descriptors"] == [1]
     assert len(d_worker.xfer_stats.data["kvcached_pd_handoff_duration"]) == 1
     assert len(p_worker.xfer_stats.data["kvcached_pd_pack_duration"]) == 1
+
+
+def test_decode_sees_an_imminent_read_done_in_the_same_step(staged_env, caplog):
+    """With a spin budget, the first get_finished after posting a small READ reports it
+    (no extra engine step); the trace shows every event of the handoff, in order."""
+    import logging
+
+    from kvcached_pd.transport import trace
+
+    staged_env.setenv("KVCACHED_PD_READ_SPIN_US", "20000")
+    staged_env.setenv("KVCACHED_PD_TRACE", "1")
+    trace.reset()
+    caplog.set_level(logging.INFO, logger="kvcached_pd")
+    try:
+        p_worker, p_tensors, backend = make_side(16, seed=21)
+        d_worker, d_tensors, _ = make_side(16, seed=22)
+        handshake(d_worker, p_worker, backend)
+        p_ids, d_ids = [4, 8, 1], [9, 0, 6]
+        info = staged_order(p_worker, len(p_ids), 16, 40)
+        start_transfer(p_worker, d_worker, p_ids, d_ids, info, 16)
+        _, recv = d_worker.get_finished()
+    finally:
+        trace.reset()
+    assert set(recv or ()) == {"req-1"}
+    assert torch.equal(tokens(d_tensors, d_ids, 16, 40), tokens(p_tensors, p_ids, 16, 40))
+    assert worker_staging(d_worker).stats["spin_s"] > 0
+    events = [e for e in (trace.parse_line(r.getMessage()) for r in caplog.records) if e]
+    names = [e["ev"] for e in events]
+    assert names[:3] == ["packed", "read_posted", "read_done"], names
+    done = events[2]
+    assert done["req"] == "req-1" and done["bytes"] == info["nbytes"]
+    assert 0 < done["spin_ms"] <= 20 and done["seen_ms"] >= done["spin_ms"] * 0.5
+    assert events[0]["device_ms"] >= 0 and events[1]["descs"] == 1
+
+
+def test_no_spin_budget_leaves_polling_to_vllm(staged_env):
+    staged_env.setenv("KVCACHED_PD_READ_SPIN_US", "0")
+    p_worker, p_tensors, backend = make_side(16, seed=23)
+    d_worker, d_tensors, _ = make_side(16, seed=24)
+    handshake(d_worker, p_worker, backend)
+    run_transfer(p_worker, d_worker, [3, 5], [1, 2], 30, staged_order(p_worker, 2, 16, 30), 16)
+    assert torch.equal(tokens(d_tensors, [1, 2], 16, 30), tokens(p_tensors, [3, 5], 16, 30))
+    assert worker_staging(d_worker).stats["spin_s"] == 0
 
 
 def test_direct_path_over_the_physical_budget(staged_env):

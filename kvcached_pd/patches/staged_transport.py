@@ -137,8 +137,15 @@ def worker_staging(worker: Any):
 
 
 def _sched_update_state_after_alloc(original, self, request, blocks, num_external_tokens):
-    result = original(self, request, blocks, num_external_tokens)
+    from kvcached_pd.transport.staged import _since_ms
+    from kvcached_pd.transport.trace import trace
+
     params = request.kv_transfer_params or {}
+    if params.get("do_remote_prefill") and num_external_tokens:
+        trace("d_alloc", request.request_id, remote_req=params.get("remote_request_id"),
+              tokens=int(num_external_tokens),
+              since_arrival_ms=_since_ms(getattr(request, "arrival_time", None)))
+    result = original(self, request, blocks, num_external_tokens)
     state = _sched_state(self)
     if state is not None and params.get("do_remote_decode"):
         state.track(request)
@@ -169,7 +176,11 @@ def _sched_request_finished(original, self, request, block_ids):
 
 
 def _sched_update_connector_output(original, self, connector_output):
+    from kvcached_pd.transport.trace import trace
+
     result = original(self, connector_output)
+    for req_id in getattr(connector_output, "finished_recving", None) or ():
+        trace("d_recv_reported", req_id)
     state = _sched_state(self)
     if state is not None:
         for req_id in getattr(connector_output, "finished_sending", None) or ():
@@ -207,16 +218,18 @@ def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, sel
     self.nixl_wrapper.register_memory(descs, backends=self.nixl_backends)
     self._registered_descs.append(descs)
     result = original(self, kv_caches)
-    state = WorkerStaging(fmt=fmt, buffer=buffer)
+    state = WorkerStaging(fmt=fmt, buffer=buffer, read_spin_s=settings.read_spin_us / 1e6)
     state.layers, state.kernel_block_size = build_layer_views(self, self.device_kv_caches)
     state.ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1) or 1)
     setattr(self, STATE, state)
     _republish_handshake(self, state, staged_meta_cls, HANDSHAKE_FIELD, device_id)
     logger.info(
         "kvcached-pd: staged transport ready: %d MiB staging registered with NIXL (%s), "
-        "packed format %s, %d layers x %d-token kernel blocks",
+        "packed format %s, %d layers x %d-token kernel blocks, decode waits up to %d us "
+        "for a READ about to end (%s)",
         buffer.tensor.numel() >> 20, self.nixl_memory_type, fmt.to_dict(),
-        state.layers.num_layers, state.kernel_block_size,
+        state.layers.num_layers, state.kernel_block_size, settings.read_spin_us,
+        config.KVCACHED_PD_READ_SPIN_US,
     )
     return result
 
@@ -261,16 +274,19 @@ def _worker_read_blocks_for_req(original, self, req_id, meta):
 
 
 def _worker_get_finished(original, self, *args, **kwargs):
-    from kvcached_pd.transport.staged import finish_staged_reads, retry_waiting_reads
+    from kvcached_pd.transport.staged import (
+        await_imminent_reads, finish_staged_reads, retry_waiting_reads,
+    )
 
     state = _worker_state(self)
     if state is None:
         return original(self, *args, **kwargs)
     if state.waiting:
         retry_waiting_reads(self, state, lambda req_id, meta: _direct_read(self, req_id, meta))
+    spun = await_imminent_reads(self, state, state.read_spin_s)
     recving_meta = dict(self._recving_metadata)
     done_sending, done_recving = original(self, *args, **kwargs)
-    finish_staged_reads(self, state, set(done_recving or ()), recving_meta)
+    finish_staged_reads(self, state, set(done_recving or ()), recving_meta, spun)
     return done_sending, done_recving
 
 

@@ -45,12 +45,13 @@ from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
 from kvcached_pd.transport.pack import pack_request, unpack_request
 from kvcached_pd.transport.staging import Extent, ExtentAllocator, StagingBuffer
+from kvcached_pd.transport.trace import trace
 
 logger = logging.getLogger("kvcached_pd")
 
 PARAMS_KEY = "kvcached_pd_staged"  # in kv_transfer_params, P -> D
 # Lists added to vLLM's NixlKVConnectorStats.data (they reach its Prometheus metrics)
-STAT_PACK = "kvcached_pd_pack_duration"  # s, per step that packed (incl. waiting for it)
+STAT_PACK = "kvcached_pd_pack_duration"  # s, device time of one step's pack kernels
 STAT_HANDOFF = "kvcached_pd_handoff_duration"  # s, D: READ posted -> scatter enqueued
 STAT_UNPACK = "kvcached_pd_unpack_duration"  # s, D: scatter time on the device
 STAT_STAGING_USED = "kvcached_pd_staging_used_bytes"  # sampled at each pack / handoff
@@ -66,6 +67,9 @@ def record_stat(worker: Any, key: str, value: float) -> None:
         series.append(value)
 HANDSHAKE_FIELD = "kvcached_pd_staged"  # in NIXL agent metadata
 CHUNK_BYTES = 64 << 20  # one NIXL descriptor per 64 MiB of extent
+# What D assumes a staged READ runs at when predicting whether it ends within the spin
+# budget: below the 243 GB/s measured at 1 GiB on NVLink, so predictions err late.
+EXPECTED_READ_BYTES_PER_S = 150e9
 ALIGNMENT = 4096
 
 
@@ -149,6 +153,8 @@ class SchedulerStaging:
                     "num_tokens": num_tokens, "format": self.fmt.to_dict()}
             self.extents[req_id] = (extent, info)
             packs[req_id] = {"block_ids": list(block_ids), **info}
+            trace("pack_ordered", req_id, bytes=nbytes, tokens=num_tokens,
+                  since_arrival_ms=_since_ms(getattr(req, "arrival_time", None)))
         meta.kvcached_pd_pack = packs
 
     def on_finished(self, request: Any, delay_free: bool, params: dict | None) -> None:
@@ -159,6 +165,8 @@ class SchedulerStaging:
             return
         if delay_free and params is not None and params.get("remote_block_ids") is not None:
             params[PARAMS_KEY] = dict(entry[1])
+            entry[1]["finished_at"] = time.time()
+            trace("p_finished", req_id, bytes=entry[1]["nbytes"])
         else:
             self.release(req_id)
 
@@ -166,6 +174,12 @@ class SchedulerStaging:
         entry = self.extents.pop(req_id, None)
         if entry is not None:
             self.allocator.free(entry[0])
+            trace("p_released", req_id, held_ms=_since_ms(entry[1].get("finished_at")))
+
+
+def _since_ms(t: float | None) -> float | None:
+    """Milliseconds from wall-clock time ``t`` to now (None if unknown)."""
+    return None if t is None else round(1e3 * (time.time() - float(t)), 3)
 
 
 # ---------------------------------------------------------------------------- worker
@@ -178,6 +192,7 @@ class WorkerStaging:
     layers: KVCacheLayers | None = None
     kernel_block_size: int = 0
     ratio: int = 1
+    read_spin_s: float = 0.0  # D: longest wait for an imminent READ within one step
     remote: dict[str, dict[str, Any]] = field(default_factory=dict)  # engine_id -> staged
     recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     waiting: dict[str, Any] = field(default_factory=dict)  # req_id -> meta, D staging full
@@ -186,7 +201,7 @@ class WorkerStaging:
     releasing: list[tuple[Any, Any, Extent]] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=lambda: {
         "packs": 0, "pack_bytes": 0, "pack_s": 0.0, "reads": 0, "read_bytes": 0,
-        "handoff_s": 0.0, "unpack_s": 0.0, "fallbacks": 0})
+        "handoff_s": 0.0, "unpack_s": 0.0, "spin_s": 0.0, "fallbacks": 0})
 
     def handshake_fields(self, device_id: int) -> dict[str, Any]:
         return {"base": int(self.buffer.tensor.data_ptr()),
@@ -208,6 +223,8 @@ class WorkerStaging:
                 self.buffer.free(extent)
                 if start is not None and worker is not None:
                     record_stat(worker, STAT_UNPACK, start.elapsed_time(end) / 1e3)
+                    trace("unpack_done", str(extent.owner),
+                          device_ms=round(start.elapsed_time(end), 3))
             else:
                 still.append((start, end, extent))
         self.releasing = still
@@ -232,6 +249,11 @@ def pack_for_requests(worker: Any, st: WorkerStaging, packs: dict[str, dict[str,
     if not packs or st.layers is None:
         return
     t0 = time.perf_counter()
+    start = end = None
+    if st.buffer.tensor.is_cuda:
+        stream = torch.cuda.current_stream(st.buffer.tensor.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)  # stream-ordered after the step's forward
     for req_id, order in packs.items():
         kernel_ids = st.kernel_ids(order["block_ids"])
         n_tok_slots = len(kernel_ids) * st.kernel_block_size
@@ -244,15 +266,21 @@ def pack_for_requests(worker: Any, st: WorkerStaging, packs: dict[str, dict[str,
         pack_request(st.layers, kernel_ids, st.region(order["offset"], order["nbytes"]), st.fmt)
         st.stats["packs"] += 1
         st.stats["pack_bytes"] += order["nbytes"]
-    if st.buffer.tensor.is_cuda:
-        torch.cuda.current_stream(st.buffer.tensor.device).synchronize()
-    elapsed = time.perf_counter() - t0
-    st.stats["pack_s"] += elapsed
-    record_stat(worker, STAT_PACK, elapsed)
+    if end is not None:
+        end.record(stream)
+        # D may READ the extent as soon as P reports the request finished: wait here.
+        end.synchronize()
+    wall = time.perf_counter() - t0
+    device = start.elapsed_time(end) / 1e3 if end is not None else wall
+    st.stats["pack_s"] += device
+    record_stat(worker, STAT_PACK, device)
     record_stat(worker, STAT_STAGING_USED, st.buffer.allocator.used_bytes)
+    nbytes = sum(o["nbytes"] for o in packs.values())
+    trace("packed", ",".join(packs), bytes=nbytes, device_ms=round(1e3 * device, 3),
+          wall_ms=round(1e3 * wall, 3))
     _log_transfer(st, "pack", st.stats["packs"],
-                  f"{len(packs)} request(s), {sum(o['nbytes'] for o in packs.values()) >> 20} MiB "
-                  f"packed (incl. waiting for the step's forward) in {1e3 * elapsed:.2f} ms")
+                  f"{len(packs)} request(s), {nbytes >> 20} MiB packed in {1e3 * device:.2f} ms "
+                  f"on the device ({1e3 * wall:.2f} ms incl. waiting for the step's forward)")
 
 
 def _log_transfer(st: WorkerStaging, what: str, count: float, detail: str) -> None:
@@ -326,7 +354,36 @@ def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) ->
         return True
     worker._recving_transfers[req_id].append(handle)
     st.pending[req_id] = (extent, info, time.perf_counter())
+    trace("read_posted", req_id, remote_req=meta.remote.request_id, bytes=nbytes,
+          descs=len(local))
     return True
+
+
+def await_imminent_reads(worker: Any, st: WorkerStaging, budget_s: float) -> float:
+    """Wait, at most ``budget_s``, for staged READs predicted to end within it.
+
+    vLLM notices a finished READ only at the next ``get_finished``, one engine step
+    later; for a READ that will be done in a fraction of a millisecond that step is
+    most of the handoff. Returns the seconds spent (0 when nothing was imminent).
+    """
+    if budget_s <= 0 or not st.pending:
+        return 0.0
+    t0 = time.perf_counter()
+    handles = []
+    for req_id, (_, info, posted) in st.pending.items():
+        eta = posted + int(info["nbytes"]) / EXPECTED_READ_BYTES_PER_S
+        if eta - t0 <= budget_s:
+            handles.extend(worker._recving_transfers.get(req_id, ()))
+    if not handles:
+        return 0.0
+    deadline = t0 + budget_s
+    wrapper = worker.nixl_wrapper
+    while handles and time.perf_counter() < deadline:
+        # DONE stays DONE and errors stay errors: vLLM's own poll right after sees them.
+        handles = [h for h in handles if wrapper.check_xfer_state(h) == "PROC"]
+    spent = time.perf_counter() - t0
+    st.stats["spin_s"] += spent
+    return spent
 
 
 def retry_waiting_reads(worker: Any, st: WorkerStaging, read_direct) -> None:
@@ -340,13 +397,14 @@ def retry_waiting_reads(worker: Any, st: WorkerStaging, read_direct) -> None:
 
 
 def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
-                        recving_meta: dict[str, Any]) -> None:
+                        recving_meta: dict[str, Any], spun_s: float = 0.0) -> None:
     """Scatter completed READs into the request's blocks; free extents once scattered."""
     for req_id in list(done_recving):
         entry = st.pending.pop(req_id, None)
         if entry is None:
             continue
         extent, info, t0 = entry
+        seen_ms = round(1e3 * (time.perf_counter() - t0), 3)  # READ posted -> done seen
         meta = recving_meta.get(req_id)
         ids = list((meta.local_physical_block_ids or [[]])[0]) if meta is not None else []
         kbs = st.kernel_block_size
@@ -364,6 +422,8 @@ def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
             st.stats["unpack_s"] += time.perf_counter() - t1
         if end is not None:
             end.record(stream)
+        trace("read_done", req_id, bytes=int(info["nbytes"]),
+              seen_ms=seen_ms, spin_ms=round(1e3 * spun_s, 3))
         st.releasing.append((start, end, extent))
         st.stats["reads"] += 1
         st.stats["read_bytes"] += int(info["nbytes"])
