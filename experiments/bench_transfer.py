@@ -55,6 +55,7 @@ from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE,
                         indent, instance_env, kvcached_pd_evidence, neutral_env,
                         registration_timings, rss_report,
                         serve_args, stop_all, wait_until_ready, write_vllm_logging_config)
+import trace_timeline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER_COPY_CEILING_GBPS = 393.0  # GPU0 -> GPU1 torch peer copy on the 2xH200 host
@@ -151,6 +152,8 @@ class Bench:
             if self.a.staging_mb and cfg.env.get("KVCACHED_PD") == "1":
                 env["KVCACHED_PD_STAGING_MB"] = shown["KVCACHED_PD_STAGING_MB"] = \
                     str(self.a.staging_mb)
+            if self.a.trace and cfg.env.get("KVCACHED_PD") == "1":
+                env["KVCACHED_PD_TRACE"] = shown["KVCACHED_PD_TRACE"] = "1"
             cmd = self.settings.vllm_cmd + serve_args(self.settings, port, cfg.block_size, kvt)
             proc = ManagedProcess(f"{mode.name}/{role}", cmd, env,
                                   os.path.join(self.logs, f"{mode.name}-{role}.log"),
@@ -183,16 +186,17 @@ class Bench:
         }
 
     # ---- measurements ----------------------------------------------------------------
-    def _wait_finished(self, url: str, before: MetricSnapshot | None, n: int = 1,
+    def _wait_finished(self, url: str, before: MetricSnapshot | None,
+                       counts: tuple[str, ...] = (M.QUEUE_TIME_COUNT,), n: int = 1,
                        timeout_s: float = 3.0) -> MetricSnapshot | None:
-        """Scrape D until its queue-time histogram counts ``n`` more finished requests:
-        the request's statistics reach /metrics shortly after its HTTP response."""
+        """Scrape until each histogram of ``counts`` that the instance has counts ``n``
+        more: a request's statistics reach /metrics shortly after its HTTP response."""
         t_end = time.monotonic() + timeout_s
         snap = None
         while True:
             snap = scrape_metrics(url)
-            got = metric_delta(before, snap, M.QUEUE_TIME_COUNT)
-            if got is None or got >= n or time.monotonic() > t_end:
+            got = [metric_delta(before, snap, name) for name in counts]
+            if all(g is None or g >= n for g in got) or time.monotonic() > t_end:
                 return snap
             time.sleep(0.01)
 
@@ -214,6 +218,7 @@ class Bench:
         prompt = make_prompt_text(tokens, seed)
         rid = uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
+        p_before = scrape_metrics(run.p_url)
         p = post_json(run.p_url + "/v1/completions",
                       _request(prompt, self.a.model, dict(PREFILL_KV_PARAMS)),
                       timeout=self.a.request_timeout, headers=headers)
@@ -223,16 +228,21 @@ class Bench:
         kvp = p.json().get("kv_transfer_params")
         if not kvp:
             return {"error": "prefill returned no kv_transfer_params"}
+        staged = "kvcached_pd_staged" in kvp
+        p_after = self._wait_finished(run.p_url, p_before, (M.KVPD_PACK_COUNT,)) \
+            if staged else None
         before = scrape_metrics(run.d_url)
         d = post_json(run.d_url + "/v1/completions", _request(prompt, self.a.model, kvp),
                       timeout=self.a.request_timeout, headers=headers)
         if not d.ok:
             return {"error": f"decode HTTP {d.status}: {d.error or d.body[:300]!r}",
                     "no_answer": d.status == 0}
-        after = self._wait_finished(run.d_url, before)
+        counts = (M.QUEUE_TIME_COUNT, M.KVPD_UNPACK_COUNT) if staged else (M.QUEUE_TIME_COUNT,)
+        after = self._wait_finished(run.d_url, before, counts)
         usage = d.json().get("usage") or {}
         out = {"prompt_tokens": usage.get("prompt_tokens"), "prefill_s": p.seconds,
-               "decode_s": d.seconds}
+               "decode_s": d.seconds, "staged": staged,
+               "pack_s": metric_delta(p_before, p_after, M.KVPD_PACK_SUM) if staged else None}
         for key, name, labels in (
                 ("server_wait_s", M.QUEUE_TIME_SUM, {}),
                 ("nixl_xfer_s", M.NIXL_XFER_SUM, {}),
@@ -240,12 +250,19 @@ class Bench:
                 ("nixl_bytes", M.NIXL_BYTES_SUM, {}),
                 ("nixl_descriptors", M.NIXL_DESCS_SUM, {}),
                 ("nixl_transfers", M.NIXL_XFER_COUNT, {}),
+                ("unpack_s", M.KVPD_UNPACK_SUM, {}),
+                ("staged_handoff_s", M.KVPD_HANDOFF_SUM, {}),
                 ("ext_hits", M.EXT_HITS, {}),
                 ("local_compute_tokens", M.PROMPT_BY_SOURCE, {"source": "local_compute"})):
             out[key] = metric_delta(before, after, name, **labels)
         if not out["nixl_transfers"]:  # no NIXL telemetry for this request
             for key in ("nixl_xfer_s", "nixl_post_s", "nixl_bytes", "nixl_descriptors"):
                 out[key] = None
+        if not staged:
+            out["unpack_s"] = out["staged_handoff_s"] = None
+        # pack + wire + unpack (vanilla: the wire alone)
+        parts = [out["nixl_xfer_s"]] + ([out["pack_s"], out["unpack_s"]] if staged else [])
+        out["effective_s"] = None if None in parts else sum(parts)
         return out
 
     def sweep(self, run: PairRun, baseline_s: float | None) -> list[dict]:
@@ -273,7 +290,7 @@ class Bench:
                 if "error" in sample:
                     break
             self.summarize_size(row, baseline_s)
-            log(f"  {run.mode.name:<20} {row['kv_mib']:>8.1f} MiB: "
+            log(f"  {run.mode.name:<28} {row['kv_mib']:>8.1f} MiB: "
                 + (f"server {fmt(row.get('server_wait_ms'))} ms "
                    f"({fmt(row.get('gbps_server'))} GB/s), "
                    f"nixl {fmt(row.get('nixl_xfer_ms'))} ms ({fmt(row.get('gbps_nixl'))} GB/s), "
@@ -311,6 +328,10 @@ class Bench:
             "gbps_server": gbps(kv_bytes, server_s),
             "gbps_client": gbps(kv_bytes, handoff_s),
             "gbps_nixl": gbps(nixl_bytes, nixl_s),
+            "pack_ms": ms(med("pack_s")), "unpack_ms": ms(med("unpack_s")),
+            "staged_handoff_ms": ms(med("staged_handoff_s")),
+            "effective_ms": ms(med("effective_s")),
+            "gbps_effective": gbps(kv_bytes, med("effective_s")),
         })
 
     def ttft_batch(self, run: PairRun) -> dict:
@@ -350,7 +371,7 @@ class Bench:
             "errors": [f"HTTP {r.status}: {r.error or r.body[:200]!r}"
                        for r in results if not r.ok],
         }
-        log(f"  {run.mode.name:<20} TTFT batch {n} x {tokens} tokens: median "
+        log(f"  {run.mode.name:<28} TTFT batch {n} x {tokens} tokens: median "
             f"{fmt(out['ttft_median_ms'])} ms, max {fmt(out['ttft_max_ms'])} ms, {len(ok)}/{n} ok")
         return out
 
@@ -420,6 +441,11 @@ class Bench:
                 "nixl_xfer_ms": "vLLM NIXL telemetry on D (vllm:nixl_xfer_time_seconds)",
                 "handoff_client_ms": "decode-leg HTTP latency minus a no-transfer request's",
                 "gbps_*": "kv_bytes / time / 1e9 (gbps_nixl: NIXL bytes / NIXL time)",
+                "pack_ms": "P's vllm:kvcached_pd_pack_seconds: device time of the pack kernels",
+                "unpack_ms": "D's vllm:kvcached_pd_unpack_seconds: device time of the scatter",
+                "staged_handoff_ms": "D's vllm:kvcached_pd_handoff_seconds: READ posted -> "
+                                     "READ seen done + scatter enqueued (engine steps included)",
+                "effective_ms": "pack + nixl_xfer + unpack (vanilla: nixl_xfer alone)",
                 "instances": "started concurrently, so startup/registration times include "
                              "CPU contention between instances"},
             "modes": {},
@@ -428,6 +454,7 @@ class Bench:
             doc["modes"][name] = {"status": r.status, "reason": r.reason,
                                   "description": r.mode.description, "ports": r.ports, **r.result}
         env_thread.join(timeout=30)
+        doc["trace_timeline"] = trace_timeline.summarize(self.logs)
         write_json(os.path.join(self.out, "bench.json"), doc)
         self.write_csvs(doc)
         doc["plot"] = plot(doc, os.path.join(self.out, "bench_gbps.png"))
@@ -441,7 +468,8 @@ class Bench:
         cols = ["mode", "kv_mib", "prompt_tokens", "repeats_ok", "prefill_ms", "decode_leg_ms",
                 "baseline_ms", "handoff_client_ms", "server_wait_ms", "nixl_xfer_ms",
                 "nixl_post_ms", "nixl_bytes", "nixl_descriptors", "nixl_transfers", "ext_hits",
-                "gbps_server", "gbps_client", "gbps_nixl", "error", "skipped"]
+                "gbps_server", "gbps_client", "gbps_nixl", "pack_ms", "unpack_ms",
+                "staged_handoff_ms", "effective_ms", "gbps_effective", "error", "skipped"]
         with open(os.path.join(self.out, "bench.csv"), "w", newline="") as f:
             w = csv.DictWriter(f, cols, extrasaction="ignore")
             w.writeheader()
@@ -498,51 +526,63 @@ def rnd(v):
 def render_summary(doc: dict) -> str:
     lines = [f"kvcached-pd transfer benchmark ({time.strftime('%Y-%m-%d %H:%M:%S')}, "
              f"{doc['elapsed_s']}s, {doc['kv_bytes_per_token'] // 1024} KiB of KV per token)", ""]
-    hdr = (f"{'mode':<20} {'KV MiB':>8} {'decode ms':>10} {'server ms':>10} {'GB/s':>7} "
+    hdr = (f"{'mode':<28} {'KV MiB':>8} {'decode ms':>10} {'server ms':>10} {'GB/s':>7} "
            f"{'nixl ms':>9} {'GB/s':>7} {'client ms':>10} {'GB/s':>7} {'descs':>7}")
     lines += ["Decode-side KV handoff (medians; server = D's wait for the KV, nixl = vLLM's "
               "NIXL telemetry, client = decode leg minus a no-transfer request):", hdr,
               "-" * len(hdr)]
     for name, m in doc["modes"].items():
         if m["status"] != "measured":
-            lines.append(f"{name:<20} {m['status']}: {m.get('reason')}")
+            lines.append(f"{name:<28} {m['status']}: {m.get('reason')}")
             continue
         for r in m.get("sizes", []):
             if "kv_mib" not in r:
-                lines.append(f"{name:<20} {r['kv_mib_requested']:>8} "
+                lines.append(f"{name:<28} {r['kv_mib_requested']:>8} "
                              f"{r.get('skipped') or r.get('error') or 'no result'}")
                 continue
             lines.append(
-                f"{name:<20} {r['kv_mib']:>8.1f} {fmt(r['decode_leg_ms']):>10} "
+                f"{name:<28} {r['kv_mib']:>8.1f} {fmt(r['decode_leg_ms']):>10} "
                 f"{fmt(r['server_wait_ms']):>10} {fmt(r['gbps_server']):>7} "
                 f"{fmt(r['nixl_xfer_ms']):>9} {fmt(r['gbps_nixl']):>7} "
                 f"{fmt(r['handoff_client_ms']):>10} {fmt(r['gbps_client']):>7} "
                 f"{fmt(r['nixl_descriptors'], 0):>7}"
                 + (f"  ERROR {r['error']}" if r.get("error") else ""))
+    hdr = (f"{'mode':<28} {'KV MiB':>8} {'pack ms':>8} {'nixl ms':>8} {'unpack ms':>9} "
+           f"{'effective ms':>12} {'GB/s':>7} {'staged handoff ms':>17}")
+    lines += ["", "Handoff parts (medians; effective = pack + NIXL READ + unpack, device times "
+              "for pack/unpack; vanilla: the READ alone):", hdr, "-" * len(hdr)]
+    for name, m in doc["modes"].items():
+        for r in m.get("sizes", []) if m["status"] == "measured" else ():
+            if r.get("effective_ms") is not None:
+                lines.append(f"{name:<28} {r['kv_mib']:>8.1f} {fmt(r.get('pack_ms'), 3):>8} "
+                             f"{fmt(r['nixl_xfer_ms'], 3):>8} {fmt(r.get('unpack_ms'), 3):>9} "
+                             f"{fmt(r['effective_ms'], 3):>12} {fmt(r['gbps_effective']):>7} "
+                             f"{fmt(r.get('staged_handoff_ms'), 3):>17}")
     lines += ["", "TTFT through pd_proxy (concurrent batch, max_tokens=1):",
-              f"{'mode':<20} {'batch':>5} {'tokens':>6} {'ok':>4} {'median ms':>10} {'p90 ms':>9} "
+              f"{'mode':<28} {'batch':>5} {'tokens':>6} {'ok':>4} {'median ms':>10} {'p90 ms':>9} "
               f"{'max ms':>9} {'P leg ms':>9} {'D leg ms':>9}"]
     for name, m in doc["modes"].items():
         t = m.get("ttft") or {}
         if "batch" in t:
-            lines.append(f"{name:<20} {t['batch']:>5} {t['prompt_tokens']:>6} {t['ok']:>4} "
+            lines.append(f"{name:<28} {t['batch']:>5} {t['prompt_tokens']:>6} {t['ok']:>4} "
                          f"{fmt(t['ttft_median_ms']):>10} {fmt(t['ttft_p90_ms']):>9} "
                          f"{fmt(t['ttft_max_ms']):>9} {fmt(t['prefill_leg_median_ms']):>9} "
                          f"{fmt(t['decode_leg_median_ms']):>9}")
         elif t:
-            lines.append(f"{name:<20} {t.get('skipped')}")
+            lines.append(f"{name:<28} {t.get('skipped')}")
     lines += ["", "Instances (started concurrently):",
-              f"{'mode':<20} {'role':<8} {'startup s':>9} {'NIXL reg s':>10} {'reg mem s':>9} "
+              f"{'mode':<28} {'role':<8} {'startup s':>9} {'NIXL reg s':>10} {'reg mem s':>9} "
               f"{'RSS MiB':>9} {'procs':>5}  kvcached-pd"]
     for name, m in doc["modes"].items():
         for role, inst in (m.get("instances") or {}).items():
             reg, rss = inst.get("registration") or {}, inst.get("rss") or {}
-            lines.append(f"{name:<20} {role:<8} {fmt(inst.get('startup_s'), 1):>9} "
+            lines.append(f"{name:<28} {role:<8} {fmt(inst.get('startup_s'), 1):>9} "
                          f"{fmt(reg.get('nixl_register_kv_caches_s'), 3):>10} "
                          f"{fmt(reg.get('nixl_register_memory_s'), 3):>9} "
                          f"{fmt(rss.get('total_rss_mib'), 0):>9} "
                          f"{len(rss.get('processes', [])):>5}  "
                          f"{' '.join(inst['kvcached_pd']['applied']) or '-'}")
+    lines += ["", trace_timeline.render(doc.get("trace_timeline") or {}).rstrip("\n")]
     lines += ["", f"plot: {doc.get('plot')}"]
     return "\n".join(lines) + "\n"
 
@@ -612,6 +652,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--staging-mb", type=int, default=2048,
                     help="KVCACHED_PD_STAGING_MB for kvcached-pd instances (a 1 GiB request "
                          "must fit); 0 = kvcached-pd's default")
+    ap.add_argument("--no-trace", dest="trace", action="store_false",
+                    help="do not set KVCACHED_PD_TRACE=1 on kvcached-pd instances")
     ap.add_argument("--prefill-gpu", default="0")
     ap.add_argument("--decode-gpu", default="1")
     ap.add_argument("--health-timeout", type=float, default=300.0)

@@ -240,6 +240,12 @@ class M:
     NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
     NIXL_FAILED_NOTIF = "vllm:nixl_num_failed_notifications_total"
     NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+    # kvcached-pd's series (kvcached_pd/patches/staged_transport.py)
+    KVPD_PACK_SUM = "vllm:kvcached_pd_pack_seconds_sum"  # P: device time of the pack
+    KVPD_PACK_COUNT = "vllm:kvcached_pd_pack_seconds_count"
+    KVPD_UNPACK_SUM = "vllm:kvcached_pd_unpack_seconds_sum"  # D: device time of the scatter
+    KVPD_UNPACK_COUNT = "vllm:kvcached_pd_unpack_seconds_count"
+    KVPD_HANDOFF_SUM = "vllm:kvcached_pd_handoff_seconds_sum"  # D: READ posted -> scatter
 
 
 def metric_delta(before: MetricSnapshot | None, after: MetricSnapshot | None, name: str,

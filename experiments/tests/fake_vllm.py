@@ -80,7 +80,12 @@ class State:
         self.lock = threading.Lock()
         self.c = {"ext_hits": 0, "ext_queries": 0, "local": 0, "external": 0,
                   "queue_sum": 0.0, "queue_count": 0, "xfer_sum": 0.0, "xfer_count": 0,
-                  "bytes_sum": 0.0, "descs_sum": 0.0, "success": 0}
+                  "bytes_sum": 0.0, "descs_sum": 0.0, "success": 0,
+                  "pack_sum": 0.0, "pack_count": 0, "unpack_sum": 0.0, "unpack_count": 0,
+                  "handoff_sum": 0.0}
+        # kvcached-pd's staged transport (what its hooks add to a real instance)
+        self.staged = (os.environ.get("KVCACHED_PD") == "1"
+                       and os.environ.get("KVCACHED_PD_TRANSPORT") == "staged")
         self.counter = 0
 
 
@@ -106,6 +111,14 @@ def metrics_text(st: State) -> str:
             f"vllm:nixl_bytes_transferred_sum{{{lbl}}} {c['bytes_sum']}",
             f"vllm:nixl_num_descriptors_sum{{{lbl}}} {c['descs_sum']}",
             f"vllm:nixl_num_failed_transfers_total{{{lbl}}} 0.0",
+        ]
+    if st.kv_config and st.staged:
+        lines += [
+            f"vllm:kvcached_pd_pack_seconds_sum{{{lbl}}} {c['pack_sum']}",
+            f"vllm:kvcached_pd_pack_seconds_count{{{lbl}}} {c['pack_count']}",
+            f"vllm:kvcached_pd_unpack_seconds_sum{{{lbl}}} {c['unpack_sum']}",
+            f"vllm:kvcached_pd_unpack_seconds_count{{{lbl}}} {c['unpack_count']}",
+            f"vllm:kvcached_pd_handoff_seconds_sum{{{lbl}}} {c['handoff_sum']}",
         ]
     return "\n".join(lines) + "\n"
 
@@ -179,6 +192,10 @@ def make_handler(st: State):
                     st.c["descs_sum"] += 2 * (len(prompt_ids) + 15) // 16
                     st.c["queue_sum"] += time.time() - t_arrival
                     st.c["queue_count"] += 1
+                    if st.staged and "kvcached_pd_staged" in kvp:
+                        st.c["unpack_sum"] += 0.0005
+                        st.c["unpack_count"] += 1
+                        st.c["handoff_sum"] += xfer + 0.001
             else:
                 with st.lock:
                     st.c["local"] += len(prompt_ids)
@@ -207,6 +224,12 @@ def make_handler(st: State):
                     "remote_engine_id": st.engine_id, "remote_request_id": rid,
                     "remote_host": "127.0.0.1", "remote_port": st.side_port,
                     "tp_size": 1}
+                if st.staged:
+                    body["kv_transfer_params"]["kvcached_pd_staged"] = {
+                        "offset": 0, "nbytes": len(prompt_ids) * 32768}
+                    with st.lock:
+                        st.c["pack_sum"] += 0.00025
+                        st.c["pack_count"] += 1
             with st.lock:
                 st.c["success"] += 1
             if req.get("stream"):

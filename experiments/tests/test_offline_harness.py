@@ -269,6 +269,7 @@ def test_bench_transfer_runs_all_modes_and_writes_outputs(tmp_path):
     cmd = [sys.executable, os.path.join(EXP, "bench_transfer.py"), "--out", str(out),
            "--model", str(model), "--vllm-cmd", " ".join(FAKE), "--sizes", "1,16,8192",
            "--repeats", "2", "--ttft-batch", "2", "--ttft-prompt-tokens", "500",
+           "--modes", "vanilla,kvcached-pd-staged,kvcached-pd-direct,kvcached-own",
            "--deadline-s", "120", "--port-base", str(base + 100),
            "--side-channel-port-base", str(base + 300), "--proxy-port-base", str(base + 500)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=200,
@@ -285,9 +286,18 @@ def test_bench_transfer_runs_all_modes_and_writes_outputs(tmp_path):
         assert "max-model-len" in huge["skipped"]
         assert mode["ttft"]["ok"] == 2
         assert mode["instances"]["decode"]["registration"]["nixl_register_kv_caches_s"] > 0
+    staged = doc["modes"]["kvcached-pd-staged"]["sizes"][1]
+    # the fake packs in 0.25 ms and unpacks in 0.5 ms: effective = pack + READ + unpack
+    assert staged["pack_ms"] == pytest.approx(0.25) and staged["unpack_ms"] == pytest.approx(0.5)
+    assert staged["effective_ms"] == pytest.approx(0.75 + staged["nixl_xfer_ms"])
+    assert staged["gbps_effective"] == pytest.approx(
+        staged["kv_bytes"] / staged["effective_ms"] / 1e6)
+    vanilla = doc["modes"]["vanilla"]["sizes"][1]
+    assert vanilla["pack_ms"] is None and vanilla["effective_ms"] == vanilla["nixl_xfer_ms"]
     for name in ("bench.csv", "instances.csv", "ttft.csv", "summary.txt"):
         assert (out / name).stat().st_size > 0
-    assert "kvcached-pd-staged" in (out / "summary.txt").read_text()
+    summary = (out / "summary.txt").read_text()
+    assert "kvcached-pd-staged" in summary and "Handoff parts" in summary
 
 
 def test_equivalence_explains_reference_vs_pd_numerics(tmp_path):

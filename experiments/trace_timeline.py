@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Per-request timelines of the staged handoff, from ``KVCACHED_PD_TRACE=1`` logs.
+
+usage: trace_timeline.py LOG_DIR [--json OUT]
+
+Reads every ``<mode>-prefill.log`` / ``<mode>-decode.log`` in LOG_DIR (the benchmark's
+and the equivalence harness's ``logs/``), joins each decode request to its prefill
+request (D's ``remote_req`` is P's request id) and prints, per mode and KV size, the
+median of each stage (milliseconds):
+
+  d_arrival_to_alloc   D: request arrival -> its blocks allocated (kvcached maps pages here)
+  d_alloc_to_post      D: blocks allocated -> staged READ posted (next start_load_kv)
+  d_read_seen          D: READ posted -> seen done (the wire plus polling; spin included)
+  d_spin               D: of which spent waiting for it within one step
+  d_seen_to_reported   D: READ seen done -> the scheduler learns it (next step)
+  d_unpack_device      D: device time of the scatter
+  p_arrival_to_order   P: request arrival -> pack ordered (the prefill's scheduling + chunks)
+  p_pack_device        P: device time of the pack kernels
+  p_pack_wall          P: pack incl. waiting for the step's forward
+  p_finish_to_d_alloc  P finished -> D allocated (response, proxy/client, D's scheduling)
+  p_held               P: finished -> extent (and P's blocks) released by D's notification
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+from statistics import median
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kvcached_pd.transport.trace import parse_line  # noqa: E402
+
+STAGES = ("d_arrival_to_alloc", "d_alloc_to_post", "d_read_seen", "d_spin",
+          "d_seen_to_reported", "d_unpack_device", "p_arrival_to_order", "p_pack_device",
+          "p_pack_wall", "p_finish_to_d_alloc", "p_held")
+_LOG = re.compile(r"^(?P<mode>.+)-(?P<role>prefill|decode)\.log$")
+
+
+def read_events(log_dir: str) -> dict[str, dict[str, list[dict]]]:
+    """{mode: {role: [event, ...]}} from the instance logs in ``log_dir``."""
+    out: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for name in sorted(os.listdir(log_dir)):
+        m = _LOG.match(name)
+        if not m:
+            continue
+        with open(os.path.join(log_dir, name), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                ev = parse_line(line)
+                if ev is not None:
+                    out[m["mode"]][m["role"]].append(ev)
+    return out
+
+
+def _by_request(events: list[dict]) -> dict[str, dict[str, dict]]:
+    reqs: dict[str, dict[str, dict]] = defaultdict(dict)
+    for ev in events:
+        for req in str(ev["req"]).split(","):  # one "packed" event may name several
+            reqs[req].setdefault(ev["ev"], ev)
+    return reqs
+
+
+def timelines(prefill: list[dict], decode: list[dict]) -> list[dict]:
+    """One row per decode request that was read through staging."""
+    p_reqs, d_reqs = _by_request(prefill), _by_request(decode)
+    rows = []
+    for d in d_reqs.values():
+        alloc, posted, done = d.get("d_alloc"), d.get("read_posted"), d.get("read_done")
+        if not (posted and done):
+            continue
+        p = p_reqs.get(str(posted.get("remote_req")), {})
+        row = {"bytes": posted["bytes"], "d_read_seen": done["seen_ms"], "d_spin": done["spin_ms"]}
+        if alloc:
+            row["d_arrival_to_alloc"] = alloc.get("since_arrival_ms")
+            row["d_alloc_to_post"] = 1e3 * (posted["t"] - alloc["t"])
+        if "d_recv_reported" in d:
+            row["d_seen_to_reported"] = 1e3 * (d["d_recv_reported"]["t"] - done["t"])
+        if "unpack_done" in d:
+            row["d_unpack_device"] = d["unpack_done"]["device_ms"]
+        if "pack_ordered" in p:
+            row["p_arrival_to_order"] = p["pack_ordered"].get("since_arrival_ms")
+        if "packed" in p:
+            row["p_pack_device"] = p["packed"]["device_ms"]
+            row["p_pack_wall"] = p["packed"]["wall_ms"]
+        if "p_finished" in p and alloc:
+            row["p_finish_to_d_alloc"] = 1e3 * (alloc["t"] - p["p_finished"]["t"])
+        if "p_released" in p:
+            row["p_held"] = p["p_released"].get("held_ms")
+        rows.append(row)
+    return rows
+
+
+def summarize(log_dir: str) -> dict[str, list[dict]]:
+    """{mode: [{"mib": .., "n": .., stage: median ms, ...}, ...]} sorted by size."""
+    out = {}
+    for mode, roles in read_events(log_dir).items():
+        rows = timelines(roles.get("prefill", []), roles.get("decode", []))
+        by_size = defaultdict(list)
+        for r in rows:
+            by_size[r["bytes"]].append(r)
+        table = []
+        for nbytes in sorted(by_size):
+            group = by_size[nbytes]
+            entry = {"mib": nbytes / 2**20, "n": len(group)}
+            for stage in STAGES:
+                vals = [r[stage] for r in group if r.get(stage) is not None]
+                entry[stage] = round(median(vals), 3) if vals else None
+            table.append(entry)
+        if table:
+            out[mode] = table
+    return out
+
+
+def render(summary: dict[str, list[dict]]) -> str:
+    if not summary:
+        return "no kvcached-pd trace events (KVCACHED_PD_TRACE=1 not set?)\n"
+    short = [s.replace("_to_", ">").replace("d_", "").replace("p_", "P ") for s in STAGES]
+    hdr = f"{'mode':<28} {'MiB':>7} {'n':>3} " + " ".join(f"{h:>12}" for h in short)
+    lines = ["Staged handoff timeline, medians in ms (experiments/trace_timeline.py):", hdr,
+             "-" * len(hdr)]
+    for mode, table in summary.items():
+        for e in table:
+            cells = " ".join(f"{'-' if e[s] is None else format(e[s], '.3f'):>12}" for s in STAGES)
+            lines.append(f"{mode:<28} {e['mib']:>7.1f} {e['n']:>3} {cells}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("log_dir")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    summary = summarize(a.log_dir)
+    print(render(summary), end="")
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
