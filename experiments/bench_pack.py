@@ -2,10 +2,11 @@
 
 The design budgets the gather/scatter at about 2 x bytes / device bandwidth; this
 measures it. For each model shape, cache layout and request size it times
-``pack_request`` and ``unpack_request`` through the per-layer loop and, where the layers
-share one storage, the single-view path, next to a plain device-to-device copy of the
+``pack_request`` and ``unpack_request`` through the per-layer loop, where the layers
+share one storage the single-view path, and the one-launch Triton kernels (when
+:func:`~kvcached_pd.transport.pack.select_kernel` enables them on the device), next to a plain device-to-device copy of the
 same bytes (the ceiling). Bytes moved = bytes read + bytes written = 2 x extent size.
-Before timing, each configuration is checked on the device: the two paths produce the
+Before timing, each configuration is checked on the device: all paths produce the
 same extent, and unpacking it into other blocks reproduces the packed tokens.
 
 Caches are built as kvcached builds them: a block dimension sized for the whole virtual
@@ -41,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcached_pd.transport.format import PackedFormat  # noqa: E402
 from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view  # noqa: E402
-from kvcached_pd.transport.pack import pack_request, unpack_request  # noqa: E402
+from kvcached_pd.transport.pack import (  # noqa: E402
+    PLAN_ATTR, pack_request, select_kernel, unpack_request,
+)
 
 MiB = 1 << 20
 KVCACHED_PAGE = 2 * MiB
@@ -220,6 +223,11 @@ def bench(args: argparse.Namespace) -> list[dict[str, object]]:
             stacked = KVCacheLayers.from_views(views)
             if stacked.stacked is not None:
                 paths["single_view"] = stacked
+            one_launch = KVCacheLayers.from_views(views, stack=False)
+            chosen = select_kernel(one_launch, fmt)
+            print(f"{model.name} {layout_name}: {chosen}", flush=True)
+            if getattr(one_launch, PLAN_ATTR, None) is not None:
+                paths["triton"] = one_launch
             block_counts = sorted(
                 {max(1, round(mib * MiB / tokens_per_block_bytes)) for mib in sizes_mib}
             )
@@ -263,7 +271,7 @@ def bench(args: argparse.Namespace) -> list[dict[str, object]]:
                             "peak_extra_bytes": peak_extra_bytes(fn, device),
                         }
                     )
-            del caches, views, paths, stacked
+            del caches, views, paths, stacked, one_launch
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
     return rows

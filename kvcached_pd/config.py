@@ -21,10 +21,12 @@ KVCACHED_PD_STRICT = "KVCACHED_PD_STRICT"  # re-raise errors of import hooks (te
 KVCACHED_PD_TRANSPORT = "KVCACHED_PD_TRANSPORT"  # staged | direct
 KVCACHED_PD_STAGING_MB = "KVCACHED_PD_STAGING_MB"  # staging region per worker
 KVCACHED_PD_READ_SPIN_US = "KVCACHED_PD_READ_SPIN_US"  # D: wait this long for a READ about to end
+KVCACHED_PD_PACK_KERNEL = "KVCACHED_PD_PACK_KERNEL"  # auto | triton | torch
 KVCACHED_PD_TRACE = "KVCACHED_PD_TRACE"  # log one timestamped line per handoff event
 KVCACHED_PD_TEST_CORRUPT = "KVCACHED_PD_TEST_CORRUPT"  # test-only negative control
 
 TRANSPORTS = ("staged", "direct")
+PACK_KERNELS = ("auto", "triton", "torch")  # auto: Triton once proven on the device
 # Staged by default when kvcached backs the cache (kvcached memory is never a NIXL
 # remote then); direct, i.e. vLLM's own data path, for plain vLLM unless asked.
 DEFAULT_TRANSPORT_WITH_KVCACHED = "staged"
@@ -79,6 +81,7 @@ class Settings:
     transport: str = DEFAULT_TRANSPORT
     staging_mb: int = DEFAULT_STAGING_MB
     read_spin_us: int = DEFAULT_READ_SPIN_US
+    pack_kernel: str = "auto"
     trace: bool = False
     test_corrupt: bool = False
     problems: tuple[str, ...] = field(default_factory=tuple)
@@ -128,6 +131,11 @@ def read_settings(
                         f"(off) to {MAX_READ_SPIN_US} (microseconds)")
         read_spin_us = DEFAULT_READ_SPIN_US
 
+    pack_kernel = (env.get(KVCACHED_PD_PACK_KERNEL) or "auto").strip().lower()
+    if pack_kernel not in PACK_KERNELS:
+        problems.append(f"{KVCACHED_PD_PACK_KERNEL}={pack_kernel!r} is not one of {list(PACK_KERNELS)}")
+        pack_kernel = "auto"
+
     for name in (KVCACHED_PD_STRICT, KVCACHED_PD_TRACE, KVCACHED_PD_TEST_CORRUPT):
         value = env.get(name)
         if value is not None and value.strip().lower() not in _TRUE + _FALSE:
@@ -139,6 +147,7 @@ def read_settings(
         transport=transport,
         staging_mb=staging_mb,
         read_spin_us=read_spin_us,
+        pack_kernel=pack_kernel,
         trace=_truthy(env.get(KVCACHED_PD_TRACE)),
         test_corrupt=_truthy(env.get(KVCACHED_PD_TEST_CORRUPT)),
         problems=tuple(problems),

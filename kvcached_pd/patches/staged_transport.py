@@ -198,6 +198,7 @@ def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, sel
         HANDSHAKE_FIELD, WorkerStaging, build_layer_views, packed_format_for,
         staging_capacity_bytes,
     )
+    from kvcached_pd.transport.pack import select_kernel
     from kvcached_pd.transport.staging import StagingBuffer
 
     if "Push" in type(self).__name__:  # the hook sits on the shared base class
@@ -220,15 +221,16 @@ def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, sel
     result = original(self, kv_caches)
     state = WorkerStaging(fmt=fmt, buffer=buffer, read_spin_s=settings.read_spin_us / 1e6)
     state.layers, state.kernel_block_size = build_layer_views(self, self.device_kv_caches)
+    kernels = select_kernel(state.layers, fmt, settings.pack_kernel)
     state.ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1) or 1)
     setattr(self, STATE, state)
     _republish_handshake(self, state, staged_meta_cls, HANDSHAKE_FIELD, device_id)
     logger.info(
         "kvcached-pd: staged transport ready: %d MiB staging registered with NIXL (%s), "
-        "packed format %s, %d layers x %d-token kernel blocks, decode waits up to %d us "
-        "for a READ about to end (%s)",
+        "packed format %s, %d layers x %d-token kernel blocks, pack/unpack kernels: %s; "
+        "decode waits up to %d us for a READ about to end (%s)",
         buffer.tensor.numel() >> 20, self.nixl_memory_type, fmt.to_dict(),
-        state.layers.num_layers, state.kernel_block_size, settings.read_spin_us,
+        state.layers.num_layers, state.kernel_block_size, kernels, settings.read_spin_us,
         config.KVCACHED_PD_READ_SPIN_US,
     )
     return result

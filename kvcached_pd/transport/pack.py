@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from kvcached_pd.transport import pack_triton
 from kvcached_pd.transport.format import PackedFormat, dtype_name, packed_extent_view
 from kvcached_pd.transport.layout import KVCacheLayers
 
@@ -144,6 +146,13 @@ def pack_request(
     n_tok_slots = num_blocks * block_size
     packed = packed_extent_view(out_extent, fmt, n_tok_slots)
     _check_same_device(packed, layers)
+    plan = _triton_plan(layers, packed)
+    if plan is not None:
+        index = _device_index(host_ids, layers.device)
+        words = packed.view(plan.word)
+        pack_triton.copy_blocks(plan.words, plan.addrs, index, words.reshape(-1),
+                                words[0, 0].numel(), to_packed=True)
+        return n_tok_slots
     sources = (layers.stacked,) if layers.stacked is not None else layers.layers
     word = _widest_word((packed, *sources))
     by_block = packed.view(word).unflatten(2, (num_blocks, block_size))
@@ -185,8 +194,9 @@ def unpack_request(
         )
     packed = packed_extent_view(in_extent, fmt, src_tok_slots)
     _check_same_device(packed, layers)
+    plan = _triton_plan(layers, packed)
     targets = (layers.stacked,) if layers.stacked is not None else layers.layers
-    word = _widest_word((packed, *targets))
+    word = plan.word if plan is not None else _widest_word((packed, *targets))
     packed = packed.view(word)
 
     # Blocks wholly covered by the extent go in one scatter; when this side's blocks are
@@ -198,6 +208,14 @@ def unpack_request(
     partial_block = int(host_ids[-1])
     index = _device_index(host_ids[:full_blocks], layers.device)
 
+    if plan is not None:
+        if full_blocks:
+            pack_triton.copy_blocks(plan.words, plan.addrs, index, packed.reshape(-1),
+                                    packed[0, 0].numel(), to_packed=False)
+        if partial_tokens:
+            for layer, target in enumerate(plan.words):
+                target[:, partial_block, :partial_tokens].copy_(packed[layer, :, covered:])
+        return
     if layers.stacked is not None:
         stacked = layers.stacked.view(word)
         if full_blocks:
@@ -211,6 +229,102 @@ def unpack_request(
             target.index_copy_(1, index, by_block[layer])
         if partial_tokens:
             target[:, partial_block, :partial_tokens].copy_(packed[layer, :, covered:])
+
+
+# ---- the one-launch Triton kernels (pack_triton), once proven on this device ----------
+PLAN_ATTR = "_kvcached_pd_triton_plan"
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    word: torch.dtype
+    words: tuple[torch.Tensor, ...]  # the layers' views as ``word``
+    addrs: torch.Tensor  # int64 base address per layer, on the device
+
+
+def _triton_plan(layers: KVCacheLayers, packed: torch.Tensor) -> TritonPlan | None:
+    """The layers' Triton plan, if :func:`select_kernel` enabled one and this extent can
+    be moved as the same words (extents are 4 KiB-aligned in staging, so it can)."""
+    plan = getattr(layers, PLAN_ATTR, None)
+    if plan is None or not _fits_words(packed, plan.word):
+        return None
+    return plan
+
+
+def _build_plan(layers: KVCacheLayers) -> TritonPlan | None:
+    word = _widest_word(layers.layers)
+    words = tuple(view.view(word) for view in layers.layers)
+    geometry = pack_triton.layer_geometry(words)
+    if geometry is None:
+        return None
+    return TritonPlan(word=word, words=words, addrs=geometry[0])
+
+
+def _like(view: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A small ordinary tensor with ``view``'s shape but ``num_blocks`` blocks, laid out
+    in the same physical dimension order (so its strides follow the same pattern)."""
+    shape = list(view.shape)
+    shape[1] = num_blocks
+    order = sorted(range(view.dim()), key=lambda d: view.stride(d), reverse=True)
+    buf = torch.empty([shape[d] for d in order], dtype=view.dtype, device=view.device)
+    return buf.permute([order.index(d) for d in range(view.dim())])
+
+
+def self_check(layers: KVCacheLayers, fmt: PackedFormat, num_blocks: int = 6) -> str | None:
+    """Pack and unpack synthetic layers of this geometry with both kernels and compare
+    bytes. Returns None when the Triton kernels agree with torch, else what differed."""
+    views = [_like(view, num_blocks) for view in layers.layers]
+    for view in views:
+        _as_bits(view).copy_(torch.randint(-(2**15), 2**15, view.shape, device=view.device,
+                                           dtype=torch.int32).to(_as_bits(view).dtype))
+    reference = KVCacheLayers.from_views(views, stack=False)
+    candidate = KVCacheLayers.from_views(views, stack=False)
+    plan = _build_plan(candidate)
+    if plan is None:
+        return "the layers do not share strides"
+    object.__setattr__(candidate, PLAN_ATTR, plan)
+    ids = [num_blocks - 2, 0, num_blocks - 1, 2]
+    slots = len(ids) * layers.block_size
+    extents = [torch.empty(fmt.extent_bytes(slots), dtype=torch.uint8, device=layers.device)
+               for _ in range(2)]
+    pack_request(reference, ids, extents[0], fmt)
+    pack_request(candidate, ids, extents[1], fmt)
+    if not torch.equal(extents[0], extents[1]):
+        return "packed extents differ"
+    targets = []
+    for layer_set in (reference, candidate):
+        for view in layer_set.layers:
+            _as_bits(view).zero_()
+        unpack_request(layer_set, [1, 3, 4, 5], extents[0], fmt, slots - 3, slots)
+        targets.append(torch.cat([_as_bits(v).flatten() for v in layer_set.layers]))
+    if not torch.equal(targets[0], targets[1]):
+        return "unpacked blocks differ"
+    return None
+
+
+def select_kernel(layers: KVCacheLayers, fmt: PackedFormat, preference: str = "auto") -> str:
+    """Choose the pack/unpack kernels of ``layers`` for the life of the worker.
+
+    ``torch``: torch index ops (one launch per layer unless the layers stack);
+    ``triton``: one launch for all layers, required (an error if it cannot be used);
+    ``auto``: Triton when the layers do not stack, Triton is available and the
+    device self-check passes, else torch. Returns a description for the startup log.
+    """
+    if preference == "torch":
+        return "torch index ops (KVCACHED_PD_PACK_KERNEL=torch)"
+    if layers.stacked is not None and preference == "auto":
+        return "torch index ops, one launch for all layers (they share one storage)"
+    if not pack_triton.available(layers.device):
+        reason = "Triton or a CUDA device is not available"
+    else:
+        plan = _build_plan(layers)
+        reason = "the layers do not share strides" if plan is None else self_check(layers, fmt)
+        if reason is None:
+            object.__setattr__(layers, PLAN_ATTR, plan)
+            return f"Triton, one launch for all {layers.num_layers} layers (self-check passed)"
+    if preference == "triton":
+        raise RuntimeError(f"kvcached-pd: KVCACHED_PD_PACK_KERNEL=triton but {reason}")
+    return f"torch index ops, one launch per layer (Triton not used: {reason})"
 
 
 def _check_same_device(packed: torch.Tensor, layers: KVCacheLayers) -> None:
