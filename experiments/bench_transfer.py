@@ -72,6 +72,16 @@ def kv_bytes_per_token(model_dir: str) -> int:
     return cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
+def model_max_positions(model_dir: str) -> int | None:
+    """The model's max_position_embeddings (vLLM refuses a longer --max-model-len)."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            value = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return int(value) if value else None
+
+
 @dataclass
 class PairRun:
     mode: Mode
@@ -114,6 +124,11 @@ class Bench:
         self.deadline = Deadline(a.deadline_s)
         self.run_tag = uuid.uuid4().hex[:6]
         self.kv_per_token = a.kv_bytes_per_token or kv_bytes_per_token(a.model)
+        limit = model_max_positions(a.model)
+        if limit and a.max_model_len > limit:
+            log(f"--max-model-len {a.max_model_len} exceeds the model's {limit} positions "
+                f"(vLLM would refuse to start): using {limit}")
+            a.max_model_len = limit
         kv_bytes = int(a.kv_cache_gib * (1 << 30)) if a.kv_cache_gib > 0 else None
         gmu = a.gpu_memory_utilization if a.gpu_memory_utilization is not None else \
             (0.04 if kv_bytes else 0.2)

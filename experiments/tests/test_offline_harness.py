@@ -263,7 +263,8 @@ def test_bench_transfer_runs_all_modes_and_writes_outputs(tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
         "num_hidden_layers": 32, "num_key_value_heads": 16, "num_attention_heads": 16,
-        "hidden_size": 256, "head_dim": 128, "dtype": "bfloat16"}))
+        "hidden_size": 256, "head_dim": 128, "dtype": "bfloat16",
+        "max_position_embeddings": 4096}))
     out = tmp_path / "bench"
     base = _ports.take()
     cmd = [sys.executable, os.path.join(EXP, "bench_transfer.py"), "--out", str(out),
@@ -277,6 +278,7 @@ def test_bench_transfer_runs_all_modes_and_writes_outputs(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads((out / "bench.json").read_text())
     assert doc["kv_bytes_per_token"] == 256 * 1024
+    assert doc["config"]["max_model_len"] == 4096  # capped to the model's positions
     for name in ("vanilla", "kvcached-pd-staged", "kvcached-pd-direct", "kvcached-own"):
         mode = doc["modes"][name]
         assert mode["status"] == "measured", mode
