@@ -337,3 +337,14 @@ def test_equivalence_reports_a_decode_instance_dying_mid_run(tmp_path):
     assert any("died during the requests" in r for r in van["reasons"])
     assert "simulated crash while serving" in res.stdout
     assert van["n_ok"] == 3
+
+
+def test_default_bench_modes_start_at_most_three_kvcached_pairs():
+    from pd_modes import BENCH_MODES, MODES, resolve_modes
+
+    kvcached = [m for m in BENCH_MODES if MODES[m].prefill.env.get("ENABLE_KVCACHED") == "true"]
+    assert len(kvcached) <= 3  # ten kvcached instances at once ran out of device memory
+    assert {"vanilla", "kvcached-pd-staged", "kvcached-own"} <= set(BENCH_MODES)
+    every = [m.name for m in resolve_modes(["all"])]
+    assert "kvcached-pd-staged-prealloc" not in every and "kvcached-pd-staged-nospin" not in every
+    assert [m.name for m in resolve_modes(["kvcached-pd-staged-nospin"])] == ["kvcached-pd-staged-nospin"]
