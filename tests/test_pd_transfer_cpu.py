@@ -220,7 +220,9 @@ def test_decode_sees_an_imminent_read_done_in_the_same_step(staged_env, caplog):
     assert names[:3] == ["packed", "read_posted", "read_done"], names
     done = events[2]
     assert done["req"] == "req-1" and done["bytes"] == info["nbytes"]
-    assert 0 < done["spin_ms"] <= 20 and done["seen_ms"] >= done["spin_ms"] * 0.5
+    # the wait happened inside the READ's post-to-seen interval (no wall-clock bounds:
+    # how long UCX takes is not the test's business)
+    assert done["spin_ms"] > 0 and done["seen_ms"] >= done["spin_ms"]
     assert events[0]["device_ms"] >= 0 and events[1]["descs"] == 1
 
 
