@@ -10,7 +10,10 @@ Both directions are single torch gather/scatter kernels over the strided logical
 of :mod:`kvcached_pd.transport.layout`: ``index_select`` (dim = blocks) writes straight
 into the extent, ``index_copy_`` reads straight from it; nothing is staged twice. When
 all layers sit at a constant stride in one storage, one kernel covers every layer
-(:attr:`KVCacheLayers.stacked`); otherwise there is one kernel per layer. Data are moved
+(:attr:`KVCacheLayers.stacked`); otherwise there is one kernel per layer, unless
+:func:`select_kernel` proved the one-launch Triton kernels of
+:mod:`kvcached_pd.transport.pack_triton` on this device (then one launch covers every
+layer of a request whatever their allocations). Data are moved
 as integers, so every cache dtype (fp8 included) moves bit for bit and no kernel needs a
 dtype-specific instantiation; as the widest integers (up to 8 bytes) that the strides and
 addresses allow, because these kernels move one element per step: on an H100 a 1 GiB
