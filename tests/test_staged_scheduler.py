@@ -113,13 +113,12 @@ def test_pack_ordered_in_the_completing_step_and_freed_with_p_blocks(scheduler):
     assert st.allocator.num_live == 0 and st.allocator.used_bytes == 0
 
 
-def test_trace_follows_the_extent_from_order_to_release(scheduler, caplog):
+def test_trace_follows_the_extent_from_order_to_release(scheduler, caplog, monkeypatch):
     import logging
 
     from kvcached_pd.transport import trace
 
-    scheduler_env = pytest.MonkeyPatch()
-    scheduler_env.setenv("KVCACHED_PD_TRACE", "1")
+    monkeypatch.setenv("KVCACHED_PD_TRACE", "1")
     trace.reset()
     caplog.set_level(logging.INFO, logger="kvcached_pd")
     try:
@@ -128,7 +127,6 @@ def test_trace_follows_the_extent_from_order_to_release(scheduler, caplog):
         step(scheduler)
         step(scheduler, finished_sending={req.request_id})
     finally:
-        scheduler_env.undo()
         trace.reset()
     events = [e for e in (trace.parse_line(r.getMessage()) for r in caplog.records) if e]
     assert [e["ev"] for e in events] == ["pack_ordered", "p_finished", "p_released"]

@@ -137,14 +137,13 @@ def worker_staging(worker: Any):
 
 
 def _sched_update_state_after_alloc(original, self, request, blocks, num_external_tokens):
-    from kvcached_pd.transport.staged import _since_ms
-    from kvcached_pd.transport.trace import trace
+    from kvcached_pd.transport.trace import ms_since, trace
 
     params = request.kv_transfer_params or {}
     if params.get("do_remote_prefill") and num_external_tokens:
         trace("d_alloc", request.request_id, remote_req=params.get("remote_request_id"),
               tokens=int(num_external_tokens),
-              since_arrival_ms=_since_ms(getattr(request, "arrival_time", None)))
+              since_arrival_ms=ms_since(getattr(request, "arrival_time", None)))
     result = original(self, request, blocks, num_external_tokens)
     state = _sched_state(self)
     if state is not None and params.get("do_remote_decode"):
@@ -194,11 +193,14 @@ def _worker_state(worker: Any):
 
 
 def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, self, kv_caches):
+    from kvcached_pd.transport.pack import select_kernel
     from kvcached_pd.transport.staged import (
-        HANDSHAKE_FIELD, WorkerStaging, build_layer_views, packed_format_for,
+        HANDSHAKE_FIELD,
+        WorkerStaging,
+        build_layer_views,
+        packed_format_for,
         staging_capacity_bytes,
     )
-    from kvcached_pd.transport.pack import select_kernel
     from kvcached_pd.transport.staging import StagingBuffer
 
     if "Push" in type(self).__name__:  # the hook sits on the shared base class
@@ -277,7 +279,9 @@ def _worker_read_blocks_for_req(original, self, req_id, meta):
 
 def _worker_get_finished(original, self, *args, **kwargs):
     from kvcached_pd.transport.staged import (
-        await_imminent_reads, finish_staged_reads, retry_waiting_reads,
+        await_imminent_reads,
+        finish_staged_reads,
+        retry_waiting_reads,
     )
 
     state = _worker_state(self)

@@ -257,10 +257,8 @@ def _triton_plan(layers: KVCacheLayers, packed: torch.Tensor) -> TritonPlan | No
 def _build_plan(layers: KVCacheLayers) -> TritonPlan | None:
     word = _widest_word(layers.layers)
     words = tuple(view.view(word) for view in layers.layers)
-    geometry = pack_triton.layer_geometry(words)
-    if geometry is None:
-        return None
-    return TritonPlan(word=word, words=words, addrs=geometry[0])
+    addrs = pack_triton.layer_addresses(words)
+    return None if addrs is None else TritonPlan(word=word, words=words, addrs=addrs)
 
 
 def _like(view: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -290,6 +288,8 @@ def self_check(layers: KVCacheLayers, fmt: PackedFormat, num_blocks: int = 6) ->
     slots = len(ids) * layers.block_size
     extents = [torch.empty(fmt.extent_bytes(slots), dtype=torch.uint8, device=layers.device)
                for _ in range(2)]
+    if _triton_plan(candidate, packed_extent_view(extents[1], fmt, slots)) is None:
+        return "the extent cannot be moved as the layers' words"  # never pass vacuously
     pack_request(reference, ids, extents[0], fmt)
     pack_request(candidate, ids, extents[1], fmt)
     if not torch.equal(extents[0], extents[1]):

@@ -79,14 +79,13 @@ def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda" and torch.cuda.is_available()
 
 
-def layer_geometry(views: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-    """(device table of layer base addresses, shared word strides), or None when the
-    layers' strides differ (then only the torch path serves them)."""
+def layer_addresses(views: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The device table of the layers' base addresses, or None when the layers' strides
+    differ (the kernel takes one set of strides; only the torch path serves them)."""
     first = views[0]
     if any(v.stride() != first.stride() for v in views) or first.stride(-1) != 1:
         return None
-    addrs = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64)
-    return addrs.to(first.device), tuple(first.stride()[:4])
+    return torch.tensor([v.data_ptr() for v in views], dtype=torch.int64).to(first.device)
 
 
 def copy_blocks(

@@ -45,7 +45,7 @@ from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
 from kvcached_pd.transport.pack import pack_request, unpack_request
 from kvcached_pd.transport.staging import Extent, ExtentAllocator, StagingBuffer
-from kvcached_pd.transport.trace import trace
+from kvcached_pd.transport.trace import ms_since, trace
 
 logger = logging.getLogger("kvcached_pd")
 
@@ -154,7 +154,7 @@ class SchedulerStaging:
             self.extents[req_id] = (extent, info)
             packs[req_id] = {"block_ids": list(block_ids), **info}
             trace("pack_ordered", req_id, bytes=nbytes, tokens=num_tokens,
-                  since_arrival_ms=_since_ms(getattr(req, "arrival_time", None)))
+                  since_arrival_ms=ms_since(getattr(req, "arrival_time", None)))
         meta.kvcached_pd_pack = packs
 
     def on_finished(self, request: Any, delay_free: bool, params: dict | None) -> None:
@@ -174,12 +174,7 @@ class SchedulerStaging:
         entry = self.extents.pop(req_id, None)
         if entry is not None:
             self.allocator.free(entry[0])
-            trace("p_released", req_id, held_ms=_since_ms(entry[1].get("finished_at")))
-
-
-def _since_ms(t: float | None) -> float | None:
-    """Milliseconds from wall-clock time ``t`` to now (None if unknown)."""
-    return None if t is None else round(1e3 * (time.time() - float(t)), 3)
+            trace("p_released", req_id, held_ms=ms_since(entry[1].get("finished_at")))
 
 
 # ---------------------------------------------------------------------------- worker

@@ -56,6 +56,11 @@ def trace(event: str, req_id: str, **fields: Any) -> None:
     logger.info("%s%s", PREFIX, json.dumps(record, sort_keys=True, default=str))
 
 
+def ms_since(t: float | None) -> float | None:
+    """Milliseconds from wall-clock time ``t`` (``time.time()``) to now; None if unknown."""
+    return None if t is None else round(1e3 * (_clock() - float(t)), 3)
+
+
 def parse_line(line: str) -> dict[str, Any] | None:
     """The event of one log line, or None if the line is not a trace line."""
     at = line.find(PREFIX)

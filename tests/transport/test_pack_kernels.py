@@ -18,7 +18,11 @@ from kvcached_pd.transport import pack_triton
 from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.layout import KVCacheLayers
 from kvcached_pd.transport.pack import (
-    PLAN_ATTR, pack_request, pack_request_reference, select_kernel, unpack_reference,
+    PLAN_ATTR,
+    pack_request,
+    pack_request_reference,
+    select_kernel,
+    unpack_reference,
     unpack_request,
 )
 from tests.transport.kv_cache_builders import LAYOUTS, Geometry, fill_random_bits
@@ -49,6 +53,20 @@ def emulated_triton(monkeypatch):
     monkeypatch.setattr(pack_triton, "available", lambda device: True)
     monkeypatch.setattr(pack_triton, "copy_blocks", emulated_copy_blocks)
     return monkeypatch
+
+
+def test_the_self_check_runs_the_kernel_both_ways(emulated_triton):
+    calls = []
+
+    def counting(*args, to_packed, **kwargs):
+        calls.append(to_packed)
+        emulated_copy_blocks(*args, to_packed=to_packed, **kwargs)
+
+    emulated_triton.setattr(pack_triton, "copy_blocks", counting)
+    fmt = PackedFormat.for_cache(3, 2, 4, torch.bfloat16)
+    layers = KVCacheLayers.from_views(side(LAYOUTS[0], 16)[1], stack=False)
+    assert select_kernel(layers, fmt).startswith("Triton")
+    assert calls == [True, False]  # one pack and one unpack through the kernel, no more
 
 
 def side(layout, block_size, num_blocks=9, layers=3, heads=2, head_dim=4,
