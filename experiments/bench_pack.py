@@ -40,10 +40,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcached_pd.transport.format import PackedFormat  # noqa: E402
-from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view  # noqa: E402
-from kvcached_pd.transport.pack import (  # noqa: E402
-    PLAN_ATTR, pack_request, select_kernel, unpack_request,
+from kvcached_pd.transport.format import PackedFormat
+from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
+from kvcached_pd.transport.pack import (
+    PLAN_ATTR,
+    pack_request,
+    select_kernel,
+    unpack_request,
 )
 
 MiB = 1 << 20

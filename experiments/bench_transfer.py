@@ -564,8 +564,8 @@ def render_summary(doc: dict) -> str:
                 + (f"  ERROR {r['error']}" if r.get("error") else ""))
     hdr = (f"{'mode':<28} {'KV MiB':>8} {'pack ms':>8} {'nixl ms':>8} {'unpack ms':>9} "
            f"{'effective ms':>12} {'GB/s':>7} {'staged handoff ms':>17}")
-    lines += ["", "Handoff parts (medians; effective = pack + NIXL READ + unpack, device times "
-              "for pack/unpack; vanilla: the READ alone):", hdr, "-" * len(hdr)]
+    lines += ["", ("Handoff parts (medians; effective = pack + NIXL READ + unpack, device "
+                   "times for pack/unpack; vanilla: the READ alone):"), hdr, "-" * len(hdr)]
     for name, m in doc["modes"].items():
         for r in m.get("sizes", []) if m["status"] == "measured" else ():
             if r.get("effective_ms") is not None:

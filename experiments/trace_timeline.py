@@ -32,7 +32,7 @@ from collections import defaultdict
 from statistics import median
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kvcached_pd.transport.trace import parse_line  # noqa: E402
+from kvcached_pd.transport.trace import parse_line
 
 STAGES = ("d_arrival_to_alloc", "d_alloc_to_post", "d_read_seen", "d_spin",
           "d_seen_to_reported", "d_unpack_device", "p_arrival_to_order", "p_pack_device",

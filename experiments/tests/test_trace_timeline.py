@@ -11,9 +11,9 @@ import pytest
 EXP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, EXP)
 
-import trace_timeline  # noqa: E402
+import trace_timeline
 
-from kvcached_pd.transport import trace  # noqa: E402
+from kvcached_pd.transport import trace
 
 
 def write_log(path, events, monkeypatch):
