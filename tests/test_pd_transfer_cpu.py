@@ -191,6 +191,35 @@ def test_staged_handoff_moves_every_prompt_token(staged_env, p_bs, d_bs, num_tok
     assert len(p_worker.xfer_stats.data["kvcached_pd_pack_duration"]) == 1
 
 
+@pytest.mark.parametrize("path,p_bs,d_bs,cached", [
+    ("staged", 16, 16, 2), ("direct", 16, 16, 2), ("staged", 16, 32, 1),
+])
+def test_decode_prefix_cache_hit_receives_only_the_rest(staged_env, path, p_bs, d_bs, cached):
+    """D already holds the prompt's first blocks (its own prefix cache) and lists only
+    the new ones: the staged path puts the extent's later tokens there, as vLLM's
+    direct path (READ of P's last blocks) does, and leaves D's cached blocks alone."""
+    if p_bs != d_bs and vllm_release() >= (0, 28):
+        pytest.skip("vLLM 0.28's post-processing of smaller remote blocks needs CUDA")
+    num_tokens = 75
+    p_worker, p_tensors, backend = make_side(p_bs, seed=31)
+    d_worker, d_tensors, _ = make_side(d_bs, seed=32)
+    handshake(d_worker, p_worker, backend)
+    p_ids = [7, 2, 9, 4, 0][: -(-num_tokens // p_bs)]
+    d_all = [3, 10, 5, 1, 8][: -(-num_tokens // d_bs)]
+    d_new = d_all[cached:]
+    first = cached * d_bs
+    held = [t[d_all[:cached]].clone() for t in d_tensors]
+    info = staged_order(p_worker, len(p_ids), p_bs, num_tokens) if path == "staged" else None
+    run_transfer(p_worker, d_worker, p_ids, d_new, num_tokens, info, p_bs)
+    assert torch.equal(tokens(d_tensors, d_all, d_bs, num_tokens)[:, first:],
+                       tokens(p_tensors, p_ids, p_bs, num_tokens)[:, first:])
+    for t, before in zip(d_tensors, held):
+        assert torch.equal(t[d_all[:cached]], before)
+    st = worker_staging(d_worker)
+    assert st.stats["reads"] == (1 if path == "staged" else 0) and st.stats["fallbacks"] == 0
+    assert st.buffer.allocator.num_live == 0
+
+
 def test_decode_sees_an_imminent_read_done_in_the_same_step(staged_env, caplog):
     """With a spin budget, the first get_finished after posting a small READ reports it
     (no extra engine step); the trace shows every event of the handoff, in order."""

@@ -175,28 +175,40 @@ def unpack_request(
     fmt: PackedFormat,
     num_tokens: int,
     src_tok_slots: int,
+    first_token: int = 0,
 ) -> None:
     """Scatter a packed extent of ``src_tok_slots`` token slots into ``block_ids``.
 
-    ``block_ids`` must be exactly the ``ceil(num_tokens / block_size)`` blocks that hold
-    tokens ``[0, num_tokens)`` on this side, in token order; the caches' block size need
-    not match the packing side's. See the module docstring for positions past
-    ``num_tokens``.
+    ``block_ids`` must be exactly the ``ceil((num_tokens - first_token) / block_size)``
+    blocks that hold tokens ``[first_token, num_tokens)`` on this side, in token order;
+    the caches' block size need not match the packing side's. ``first_token`` (a
+    multiple of this side's block size) skips the prompt's first tokens: the blocks
+    this side already holds from its own prefix cache, which are left untouched. See
+    the module docstring for positions past ``num_tokens``.
     """
     layers = _as_layers(layer_views)
     _check_layers_match_format(layers, fmt)
     if not 0 < num_tokens <= src_tok_slots:
         raise ValueError(f"num_tokens={num_tokens} must be in [1, src_tok_slots={src_tok_slots}]")
-    host_ids = _host_block_ids(block_ids, layers.num_blocks)
     block_size = layers.block_size
-    needed = math.ceil(num_tokens / block_size)
+    if not 0 <= first_token < num_tokens or first_token % block_size:
+        raise ValueError(f"first_token={first_token} must be a multiple of the block size "
+                         f"{block_size} below num_tokens={num_tokens}")
+    host_ids = _host_block_ids(block_ids, layers.num_blocks)
+    needed = math.ceil((num_tokens - first_token) / block_size)
     if host_ids.numel() != needed:
         raise ValueError(
-            f"{num_tokens} tokens fill {needed} blocks of {block_size} tokens, "
-            f"got {host_ids.numel()} block ids"
+            f"tokens [{first_token}, {num_tokens}) fill {needed} blocks of {block_size} "
+            f"tokens, got {host_ids.numel()} block ids"
         )
     packed = packed_extent_view(in_extent, fmt, src_tok_slots)
     _check_same_device(packed, layers)
+    if first_token:
+        # The remaining tokens as an extent of their own (one device copy), so both
+        # kernels see the contiguous layout they move.
+        packed = packed[:, :, first_token:].contiguous()
+        src_tok_slots -= first_token
+        num_tokens -= first_token
     plan = _triton_plan(layers, packed)
     targets = (layers.stacked,) if layers.stacked is not None else layers.layers
     word = plan.word if plan is not None else _widest_word((packed, *targets))
@@ -361,18 +373,20 @@ def unpack_reference(
     fmt: PackedFormat,
     num_tokens: int,
     src_tok_slots: int,
+    first_token: int = 0,
 ) -> None:
     """Token-by-token Python loop of :func:`unpack_request` (same positions written).
     For tests only."""
     layers = _as_layers(layer_views)
     ids = [int(block_id) for block_id in block_ids]
     block_size = layers.block_size
-    if len(ids) != math.ceil(num_tokens / block_size):
-        raise ValueError(f"{len(ids)} block ids do not hold {num_tokens} tokens")
+    if len(ids) != math.ceil((num_tokens - first_token) / block_size):
+        raise ValueError(f"{len(ids)} block ids do not hold tokens [{first_token}, {num_tokens})")
     packed = _as_bits(packed_extent_view(in_extent, fmt, src_tok_slots))
-    written = min(len(ids) * block_size, src_tok_slots)
+    written = min(len(ids) * block_size, src_tok_slots - first_token)
     for layer, view in enumerate(layers.layers):
         bits = _as_bits(view)
         for kv in range(2):
             for token in range(written):
-                bits[kv, ids[token // block_size], token % block_size] = packed[layer, kv, token]
+                bits[kv, ids[token // block_size], token % block_size] = (
+                    packed[layer, kv, first_token + token])

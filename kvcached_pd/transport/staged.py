@@ -391,6 +391,29 @@ def retry_waiting_reads(worker: Any, st: WorkerStaging, read_direct) -> None:
             break  # still no room; keep arrival order
 
 
+def decode_targets(st: WorkerStaging, meta: Any, num_tokens: int) -> tuple[list[int], int, int]:
+    """D's kernel block ids to unpack into, the prompt token they start at, and the
+    number of prompt tokens (``num_tokens`` clipped to what D's blocks hold).
+
+    D allocated blocks for the whole prompt; the ones it already held from its own
+    prefix cache are not in ``local_block_ids`` (vLLM lists only the new ones and READs
+    just P's last blocks for them). So D's new blocks start at prompt token
+    ``(ceil(num_tokens / bs) - len(new)) * bs``, with ``bs`` D's logical block size.
+    """
+    if meta is None:
+        return [], 0, 0
+    logical = list((meta.local_block_ids or [[]])[0])
+    physical = list((meta.local_physical_block_ids or [[]])[0])
+    kbs = st.kernel_block_size
+    logical_bs = kbs * st.ratio
+    cached = max(math.ceil(num_tokens / logical_bs) - len(logical), 0)
+    first_token = cached * logical_bs
+    num_tokens = min(num_tokens, first_token + len(physical) * kbs)
+    if first_token >= num_tokens:
+        return [], 0, 0
+    return physical[: math.ceil((num_tokens - first_token) / kbs)], first_token, num_tokens
+
+
 def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
                         recving_meta: dict[str, Any], spun_s: float = 0.0) -> None:
     """Scatter completed READs into the request's blocks; free extents once scattered."""
@@ -400,20 +423,17 @@ def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
             continue
         extent, info, t0 = entry
         seen_ms = round(1e3 * (time.perf_counter() - t0), 3)  # READ posted -> done seen
-        meta = recving_meta.get(req_id)
-        ids = list((meta.local_physical_block_ids or [[]])[0]) if meta is not None else []
-        kbs = st.kernel_block_size
-        num_tokens = min(int(info["num_tokens"]), len(ids) * kbs)
+        ids, first_token, num_tokens = decode_targets(st, recving_meta.get(req_id),
+                                                      int(info["num_tokens"]))
         start = end = None
         if st.buffer.tensor.is_cuda:
             stream = torch.cuda.current_stream(st.buffer.tensor.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
-        if num_tokens > 0:
+        if ids:
             t1 = time.perf_counter()
-            ids = ids[: math.ceil(num_tokens / kbs)]
             unpack_request(st.layers, ids, st.region(extent.offset, int(info["nbytes"])),
-                           st.fmt, num_tokens, int(info["n_tok_slots"]))
+                           st.fmt, num_tokens, int(info["n_tok_slots"]), first_token)
             st.stats["unpack_s"] += time.perf_counter() - t1
         if end is not None:
             end.record(stream)

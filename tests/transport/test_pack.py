@@ -65,7 +65,11 @@ def round_trip(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     device: str = "cpu",
+    cached_decode_blocks: int = 0,
 ) -> None:
+    """P packs, D unpacks. D already holds its first ``cached_decode_blocks`` blocks
+    (its own prefix cache): those, like every block outside the request, stay as they
+    were, and only tokens from ``first_token`` on are written."""
     generator = torch.Generator().manual_seed(seed)
     fmt = PackedFormat.for_cache(num_layers, heads, head_dim, dtype)
 
@@ -96,31 +100,36 @@ def round_trip(
     fill_random_bits(poisoned, generator)
     d_blocks = math.ceil(num_tokens / decode.block_size)
     d_ids = torch.randperm(decode.num_blocks, generator=generator)[:d_blocks].tolist()
+    assert 0 <= cached_decode_blocks < d_blocks
+    first_token = cached_decode_blocks * decode.block_size
+    d_received = d_ids[cached_decode_blocks:]
 
     expected = [buffer.clone() for buffer in poisoned]
     unpack_reference(
         decode.layout.logical_views(expected, g_d),
-        d_ids,
+        d_received,
         reference_extent,
         fmt,
         num_tokens,
         src_tok_slots,
+        first_token,
     )
     for stack in (True, False):
         actual = [buffer.clone() for buffer in poisoned]
         layers = KVCacheLayers.from_views(decode.layout.logical_views(actual, g_d), stack=stack)
-        unpack_request(layers, d_ids, extents[stack], fmt, num_tokens, src_tok_slots)
+        unpack_request(layers, d_received, extents[stack], fmt, num_tokens, src_tok_slots,
+                       first_token)
         for got, want in zip(actual, expected):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
     # Semantics, independent of the reference implementations.
     d_views = decode.layout.logical_views(expected, g_d)
     before = decode.layout.logical_views(poisoned, g_d)
-    tokens = torch.arange(num_tokens)
+    tokens = torch.arange(first_token, num_tokens)
     p_block = torch.tensor(p_ids)[tokens // prefill.block_size]
     d_block = torch.tensor(d_ids)[tokens // decode.block_size]
     untouched = torch.ones(decode.num_blocks, dtype=torch.bool)
-    untouched[d_ids] = False
+    untouched[d_received] = False
     for p_view, d_view, old in zip(p_views, d_views, before):
         sent = p_view[:, p_block.to(device), (tokens % prefill.block_size).to(device)]
         received = d_view[:, d_block.to(device), (tokens % decode.block_size).to(device)]
@@ -215,6 +224,7 @@ def test_dtypes(prefill_layout, decode_layout, dtype, device) -> None:
     head_dim=st.sampled_from([1, 2, 8]),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**31),
+    cached_decode_blocks=st.integers(0, 3),
 )
 def test_round_trip_property(
     prefill_layout,
@@ -229,6 +239,7 @@ def test_round_trip_property(
     head_dim,
     dtype,
     seed,
+    cached_decode_blocks,
 ) -> None:
     # At least 3 blocks: a (2, 2, ...) cache is ambiguous without a hint (tested apart).
     round_trip(
@@ -248,7 +259,36 @@ def test_round_trip_property(
         head_dim=head_dim,
         dtype=dtype,
         seed=seed,
+        cached_decode_blocks=min(cached_decode_blocks, math.ceil(num_tokens / decode_bs) - 1),
     )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "prefill_bs, decode_bs, num_tokens, cached",
+    [(16, 16, 75, 2), (16, 32, 75, 1), (32, 16, 77, 3), (16, 16, 48, 2)],
+)
+def test_decode_prefix_cache_hit_keeps_its_blocks(prefill_bs, decode_bs, num_tokens, cached, device):
+    """D holds the prompt's first blocks from its own prefix cache: the extent's tokens
+    from there on go to the blocks D allocated for the rest, as vLLM's direct path
+    (which READs only P's last blocks) would leave them."""
+    round_trip(
+        Side(LAYOUTS_BY_NAME["packed_nhd"], prefill_bs, num_blocks=12),
+        Side(LAYOUTS_BY_NAME["kv_first_kvcached_contiguous"], decode_bs, num_blocks=12),
+        num_tokens=num_tokens,
+        num_layers=3,
+        device=device,
+        cached_decode_blocks=cached,
+    )
+
+
+def test_unpack_refuses_a_first_token_off_the_block_grid() -> None:
+    views = _views()
+    with pytest.raises(ValueError, match="first_token=8 must be a multiple of the block size 16"):
+        unpack_request(views, [1, 2], _extent(48), FMT, 40, 48, first_token=8)
+    with pytest.raises(ValueError, match=r"tokens \[16, 40\) fill 2 blocks of 16 tokens, got 3"):
+        unpack_request(views, [1, 2, 3], _extent(48), FMT, 40, 48, first_token=16)
+    assert all(bool((view == 1.0).all()) for view in views)
 
 
 # Refusals: each names what is wrong and leaves the cache alone.
@@ -295,7 +335,7 @@ def test_format_mismatch_is_refused() -> None:
 
 def test_unpack_refuses_a_block_count_that_does_not_match_the_tokens() -> None:
     views = _views()
-    with pytest.raises(ValueError, match="20 tokens fill 2 blocks of 16 tokens, got 3"):
+    with pytest.raises(ValueError, match=r"tokens \[0, 20\) fill 2 blocks of 16 tokens, got 3"):
         unpack_request(views, [1, 2, 3], _extent(48), FMT, 20, 48)
     with pytest.raises(ValueError, match=r"num_tokens=40 must be in \[1, src_tok_slots=32\]"):
         unpack_request(views, [1, 2, 3], _extent(32), FMT, 40, 32)

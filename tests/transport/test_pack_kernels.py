@@ -78,8 +78,12 @@ def side(layout, block_size, num_blocks=9, layers=3, heads=2, head_dim=4,
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-@pytest.mark.parametrize("p_bs,d_bs,num_tokens", [(16, 16, 40), (16, 32, 40), (8, 32, 35)])
-def test_one_launch_path_moves_the_same_bytes(emulated_triton, layout, p_bs, d_bs, num_tokens):
+@pytest.mark.parametrize("p_bs,d_bs,num_tokens,cached", [
+    (16, 16, 40, 0), (16, 32, 40, 0), (8, 32, 35, 0),
+    (16, 16, 40, 1), (8, 16, 35, 2),  # D holds its first blocks from its prefix cache
+])
+def test_one_launch_path_moves_the_same_bytes(emulated_triton, layout, p_bs, d_bs, num_tokens,
+                                               cached):
     fmt = PackedFormat.for_cache(3, 2, 4, torch.bfloat16)
     _, p_views = side(layout, p_bs, seed=1)
     p_layers = KVCacheLayers.from_views(p_views, stack=False)
@@ -93,12 +97,14 @@ def test_one_launch_path_moves_the_same_bytes(emulated_triton, layout, p_bs, d_b
     d_buffers, d_views = side(layout, d_bs, seed=2)
     expected = [b.clone() for b in d_buffers]
     g = Geometry(3, 9, d_bs, 2, 4)
-    d_ids = [4, 1, 6][: -(-num_tokens // d_bs)]
-    unpack_reference(layout.logical_views(expected, g), d_ids, extent, fmt, num_tokens, slots)
+    d_ids = [4, 1, 6][: -(-num_tokens // d_bs)][cached:]
+    first = cached * d_bs
+    unpack_reference(layout.logical_views(expected, g), d_ids, extent, fmt, num_tokens, slots,
+                     first)
     d_layers = KVCacheLayers.from_views(d_views, stack=False)
     select_kernel(d_layers, fmt)
     assert getattr(d_layers, PLAN_ATTR) is not None
-    unpack_request(d_layers, d_ids, extent, fmt, num_tokens, slots)
+    unpack_request(d_layers, d_ids, extent, fmt, num_tokens, slots, first)
     for got, want in zip(d_buffers, expected):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
