@@ -42,14 +42,19 @@ PATCHES = ("kvcached_alloc", "nixl_layout", "nixl_registration", "staged_transpo
 
 @pytest.fixture
 def staged_env(kvcached_env):
-    kvcached_env.setenv("KVCACHED_PD_TRANSPORT", "staged")
-    kvcached_env.setenv("KVCACHED_PD_STAGING_MB", "4")
+    yield from staged_patches(kvcached_env)
+
+
+def staged_patches(env):
+    """kvcached (CPU stand-ins) with every patch the staged transport runs with."""
+    env.setenv("KVCACHED_PD_TRANSPORT", "staged")
+    env.setenv("KVCACHED_PD_STAGING_MB", "4")
     kvcached_cpu.install_stand_ins()
     for name in PATCHES:
         get_patch(name).patch()
     vw.forget_resolved_layout()
     REGISTRY.clear()
-    yield kvcached_env
+    yield env
     for name in reversed(PATCHES):
         get_patch(name).unpatch()
     vw.forget_resolved_layout()
@@ -62,7 +67,7 @@ def plain_vllm_caches(block_size: int) -> list[torch.Tensor]:
             .permute(0, 2, 1, 3) for _ in range(LAYERS)]
 
 
-def make_side(block_size: int, seed: int, kvcached: bool = True, env=None):
+def make_side(block_size: int, seed: int, kvcached: bool = True, env=None, push: bool = False):
     """One instance's worker. ``env`` (a monkeypatch) switches this process's gates to
     what that instance would run with: each vLLM instance is its own process."""
     if env is not None:
@@ -75,7 +80,8 @@ def make_side(block_size: int, seed: int, kvcached: bool = True, env=None):
             env.setenv("VLLM_KV_CACHE_LAYOUT", "NHD")
         vw.forget_resolved_layout()
     model = vw.write_tiny_llama(tempfile.mkdtemp(), LAYERS, HEADS, HEAD_DIM)
-    config = vw.make_vllm_config(model, block_size=block_size)
+    config = vw.make_vllm_config(model, block_size=block_size,
+                                 connector="NixlPushConnector" if push else "NixlConnector")
     vw.ensure_distributed(config)
     backend = vw.attention_backend("FLASH_ATTN")
     shape = vw.vllm_kv_shape(backend, BUDGET, block_size, HEADS, HEAD_DIM)
@@ -89,7 +95,7 @@ def make_side(block_size: int, seed: int, kvcached: bool = True, env=None):
         t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
     kv_cache_config = vw.kv_cache_config(LAYER_NAMES, BUDGET, block_size, HEADS, HEAD_DIM)
     with vw.backend_lookup(backend):
-        worker = vw.make_worker(config, kv_cache_config, engine_id=f"engine-{seed}")
+        worker = vw.make_worker(config, kv_cache_config, push=push, engine_id=f"engine-{seed}")
         worker.register_kv_caches(dict(zip(LAYER_NAMES, tensors)))
     return worker, tensors, backend
 
@@ -120,7 +126,9 @@ def tokens(tensors, block_ids, block_size, num_tokens):
 
 def start_transfer(p_worker, d_worker, p_block_ids, d_block_ids, staged_info, p_block_size):
     """P packs (staged), D gets the request in its metadata and posts the READ."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
+    )
 
     from kvcached_pd.transport.staged import pack_for_requests
 
@@ -297,7 +305,9 @@ def test_prefill_blocks_larger_than_decode_blocks_are_refused_by_vllm_handshake(
 
 def test_decode_staging_full_waits_then_reads_staged(staged_env):
     """No room on D: the read waits for an extent instead of taking the slow path."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
+    )
 
     from kvcached_pd.transport.staged import pack_for_requests
 

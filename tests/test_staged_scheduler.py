@@ -5,7 +5,8 @@ vLLM's v1 ``Scheduler`` with the NIXL connector (scheduler role) schedules
 output types. It checks that a pack is ordered exactly in the step that completes the
 prompt (also when the prompt is chunked), that the extent reaches ``kv_transfer_params``,
 that it is freed exactly when vLLM frees P's blocks (``finished_sending``), and that
-aborted or non-remote requests return their extents: many aborts leak nothing.
+aborted or non-remote requests return their extents: many aborts leak nothing. Each
+test runs with the pull connector and with the push connector.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ BLOCK = 16
 _ids = itertools.count(1)
 
 
-@pytest.fixture
-def scheduler(kvcached_env):
+@pytest.fixture(params=["NixlConnector", "NixlPushConnector"])
+def scheduler(kvcached_env, request):
+    """vLLM's Scheduler with the pull connector, or the push connector (P's side of
+    push mode keeps the same extent bookkeeping)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -38,7 +41,7 @@ def scheduler(kvcached_env):
     patch = get_patch("staged_transport")
     patch.patch()
     model = vw.write_tiny_llama(tempfile.mkdtemp(), num_layers=2, num_kv_heads=2, head_dim=64)
-    config = vw.make_vllm_config(model, block_size=BLOCK)
+    config = vw.make_vllm_config(model, block_size=BLOCK, connector=request.param)
     config.scheduler_config.max_num_batched_tokens = 64
     config.scheduler_config.async_scheduling = False
     config.cache_config.enable_prefix_caching = False

@@ -1,12 +1,14 @@
-"""Staged, coalesced KV transport for vLLM's pull-mode NixlConnector.
+"""Staged, coalesced KV transport for vLLM's NixlConnector, pull and push modes.
 
-Installs the hooks described in :mod:`kvcached_pd.transport.staged` on the classes
-that define them (vLLM 0.24-0.28 code layout: ``NixlBaseConnector``,
-``NixlBaseConnectorScheduler`` / ``NixlPullConnectorScheduler``,
-``NixlBaseConnectorWorker`` / ``NixlPullConnectorWorker``), plus the name
-``NixlAgentMetadata`` in the worker module so handshakes carry the staging address.
-Every hook checks that it runs on a pull connector with ``KVCACHED_PD_TRANSPORT=staged``
-and otherwise calls vLLM's method unchanged, so push mode and direct mode are vanilla.
+Installs the hooks described in :mod:`kvcached_pd.transport.staged` (pull) and
+:mod:`kvcached_pd.transport.staged_push` (push) on the classes that define them
+(vLLM 0.24-0.28 code layout: ``NixlBaseConnector``, ``NixlBaseConnectorScheduler`` /
+``NixlPullConnectorScheduler`` / ``NixlPushConnectorScheduler``,
+``NixlBaseConnectorWorker`` / ``NixlPullConnectorWorker`` / ``NixlPushConnectorWorker``),
+plus the name ``NixlAgentMetadata`` in the worker module so handshakes carry the
+staging address. The patch applies only with ``KVCACHED_PD_TRANSPORT=staged``; every
+hook calls vLLM's method unchanged where staging does not serve (TP>1, several KV
+groups, host buffer), so direct mode is vanilla.
 
 Fail-closed: a staged path that is half installed could leave P packing into memory
 that D never reads (or the reverse), so a failure to apply stops startup.
@@ -53,7 +55,8 @@ def _make_staged_metadata_class(base: type) -> type:
 
 class StagedTransportPatch(Patch):
     name = "staged_transport"
-    summary = "KVCACHED_PD_TRANSPORT=staged: P packs into ordinary staging, D pulls it with a few descriptors"
+    summary = ("KVCACHED_PD_TRANSPORT=staged: P packs into ordinary staging; D pulls it, or P "
+               "pushes it into D's staging, with a few descriptors")
     target_module = vllm_nixl.NIXL_PACKAGE
     vllm_range = VersionRange("0.24", "0.29")
     fail_closed = True
@@ -70,6 +73,8 @@ class StagedTransportPatch(Patch):
         stats_mod = importlib.import_module(f"{vllm_nixl.NIXL_PACKAGE}.stats")
         pull_worker_cls = package.NixlPullConnectorWorker
         pull_sched_cls = package.NixlPullConnectorScheduler
+        push_worker_cls = getattr(package, "NixlPushConnectorWorker", None)
+        push_sched_cls = getattr(package, "NixlPushConnectorScheduler", None)
         connector_cls = package.NixlBaseConnector
 
         original_meta_cls = base_worker_mod.NixlAgentMetadata
@@ -95,6 +100,15 @@ class StagedTransportPatch(Patch):
             (stats_mod.NixlPromMetrics, "__init__"): _prom_init,
             (stats_mod.NixlPromMetrics, "observe"): _prom_observe,
         }
+        if push_worker_cls is not None and push_sched_cls is not None:
+            hooks.update({
+                (push_sched_cls, "update_state_after_alloc"): _sched_update_state_after_alloc,
+                (push_sched_cls, "request_finished"): _sched_request_finished,
+                (push_worker_cls, "start_load_kv"): _push_worker_start_load_kv,
+                (push_worker_cls, "get_finished"): _push_worker_get_finished,
+                (push_worker_cls, "_do_start_push_kv"): _push_worker_do_start_push_kv,
+                (push_worker_cls, "_xfer_blocks_for_req"): _push_worker_xfer_blocks_for_req,
+            })
         for (cls, attr), hook in hooks.items():
             owner = defining_class(cls, attr)
             original = vars(owner)[attr]
@@ -111,17 +125,15 @@ def _wrap(hook, original):
 
 # ------------------------------------------------------------------------- scheduler
 def _sched_state(sched: Any):
-    """The scheduler's staging state; None for push schedulers or unsupported models."""
+    """The scheduler's staging state; None for unsupported models."""
     from kvcached_pd.transport.staged import SchedulerStaging
 
     state = vars(sched).get(STATE, False)
     if state is False:
-        state = None
-        if "Push" not in type(sched).__name__:  # hooks on shared base classes
-            state = SchedulerStaging.create(sched, _settings().staging_mb)
-            if state is None:
-                logger.warning("kvcached-pd: staged transport does not serve this model "
-                               "(needs TP=1 and one full-attention KV group); direct path")
+        state = SchedulerStaging.create(sched, _settings().staging_mb)
+        if state is None:
+            logger.warning("kvcached-pd: staged transport does not serve this model "
+                           "(needs TP=1 and one full-attention KV group); direct path")
         setattr(sched, STATE, state)
     return state
 
@@ -203,7 +215,10 @@ def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, sel
     )
     from kvcached_pd.transport.staging import StagingBuffer
 
-    if "Push" in type(self).__name__:  # the hook sits on the shared base class
+    push = "Push" in type(self).__name__  # the hook sits on the shared base class
+    if push and not all(hasattr(self, a) for a in _PUSH_WORKER_ATTRS):
+        logger.warning("kvcached-pd: this vLLM's push worker lacks %s; push mode keeps "
+                       "vLLM's data path", ", ".join(_PUSH_WORKER_ATTRS))
         return original(self, kv_caches)
     fmt = packed_format_for(self.kv_cache_config, self.world_size)
     if fmt is None or self.use_host_buffer:
@@ -221,21 +236,43 @@ def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, sel
     self.nixl_wrapper.register_memory(descs, backends=self.nixl_backends)
     self._registered_descs.append(descs)
     result = original(self, kv_caches)
-    state = WorkerStaging(fmt=fmt, buffer=buffer, read_spin_s=settings.read_spin_us / 1e6)
+    state = WorkerStaging(fmt=fmt, buffer=buffer, read_spin_s=settings.read_spin_us / 1e6,
+                          push=push, hold_s=2.0 * _kv_lease_seconds(self))
     state.layers, state.kernel_block_size = build_layer_views(self, self.device_kv_caches)
     kernels = select_kernel(state.layers, fmt, settings.pack_kernel)
     state.ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1) or 1)
+    if push:
+        from kvcached_pd.transport.staged_push import install_notif_queue
+
+        install_notif_queue(self, state)  # before vLLM's push writer thread starts
     setattr(self, STATE, state)
     _republish_handshake(self, state, staged_meta_cls, HANDSHAKE_FIELD, device_id)
+    if push:
+        mode = "push: P WRITEs the packed extent into D's staging"
+    else:
+        mode = (f"pull: D READs the packed extent, and waits up to {settings.read_spin_us} us "
+                f"for a READ about to end ({config.KVCACHED_PD_READ_SPIN_US})")
     logger.info(
-        "kvcached-pd: staged transport ready: %d MiB staging registered with NIXL (%s), "
-        "packed format %s, %d layers x %d-token kernel blocks, pack/unpack kernels: %s; "
-        "decode waits up to %d us for a READ about to end (%s)",
-        buffer.tensor.numel() >> 20, self.nixl_memory_type, fmt.to_dict(),
-        state.layers.num_layers, state.kernel_block_size, kernels, settings.read_spin_us,
-        config.KVCACHED_PD_READ_SPIN_US,
+        "kvcached-pd: staged transport ready (%s): %d MiB staging registered with NIXL "
+        "(%s), packed format %s, %d layers x %d-token kernel blocks, pack/unpack kernels: %s",
+        mode, buffer.tensor.numel() >> 20, self.nixl_memory_type, fmt.to_dict(),
+        state.layers.num_layers, state.kernel_block_size, kernels,
     )
     return result
+
+
+# What the push hooks use of vLLM's push worker (instance attributes, vLLM 0.26-0.28).
+_PUSH_WORKER_ATTRS = ("_pending_completion_notifs", "_reg_send_inbox", "_push_writer_wake",
+                      "_sending_transfers", "_sending_transfers_lock")
+
+
+def _kv_lease_seconds(worker) -> float:
+    """vLLM's KV lease (``kv_lease_duration`` in the connector's extra config)."""
+    try:
+        cfg = worker.vllm_config.kv_transfer_config
+        return float(cfg.get_from_extra_config("kv_lease_duration", 30))
+    except (AttributeError, TypeError, ValueError):
+        return 30.0
 
 
 def _republish_handshake(worker, state, staged_meta_cls, field_name, device_id) -> None:
@@ -287,6 +324,10 @@ def _worker_get_finished(original, self, *args, **kwargs):
     state = _worker_state(self)
     if state is None:
         return original(self, *args, **kwargs)
+    if state.push_waiting:
+        from kvcached_pd.transport.staged_push import send_waiting_registrations
+
+        send_waiting_registrations(self, state)
     if state.waiting:
         retry_waiting_reads(self, state, lambda req_id, meta: _direct_read(self, req_id, meta))
     spun = await_imminent_reads(self, state, state.read_spin_s)
@@ -294,6 +335,51 @@ def _worker_get_finished(original, self, *args, **kwargs):
     done_sending, done_recving = original(self, *args, **kwargs)
     finish_staged_reads(self, state, set(done_recving or ()), recving_meta, spun)
     return done_sending, done_recving
+
+
+def _push_worker_start_load_kv(original, self, metadata):
+    from kvcached_pd.transport.staged_push import offer_for_registrations
+
+    state = _worker_state(self)
+    if state is not None:
+        for req_id, info in (getattr(metadata, "kvcached_pd_recv", {}) or {}).items():
+            recv = metadata.reqs_to_recv.get(req_id)
+            remote = getattr(recv, "remote", None)
+            state.recv_info[req_id] = {**info, "remote_req": getattr(remote, "request_id", None)}
+        registrations = getattr(metadata, "push_registrations", None)
+        if registrations:
+            offer_for_registrations(self, state, registrations)
+    return original(self, metadata)
+
+
+def _push_worker_get_finished(original, self, *args, **kwargs):
+    from kvcached_pd.transport.staged_push import forget_finished
+
+    done_sending, done_recving = original(self, *args, **kwargs)
+    state = _worker_state(self)
+    if state is not None:
+        forget_finished(state, done_sending)
+    return done_sending, done_recving
+
+
+def _push_worker_do_start_push_kv(original, self, request_id, local_block_ids,
+                                  registration_data, *args, **kwargs):
+    from kvcached_pd.transport.staged_push import OFFER_FIELD
+
+    state = _worker_state(self)
+    offer = registration_data.get(OFFER_FIELD) if isinstance(registration_data, dict) else None
+    if state is not None and offer:
+        state.push_offers[request_id] = dict(offer)
+    return original(self, request_id, local_block_ids, registration_data, *args, **kwargs)
+
+
+def _push_worker_xfer_blocks_for_req(original, self, req_id, meta):
+    from kvcached_pd.transport.staged_push import start_staged_write
+
+    state = _worker_state(self)
+    if state is not None and start_staged_write(self, state, req_id, meta):
+        return None
+    return original(self, req_id, meta)
 
 
 def _direct_read(worker, req_id, meta):

@@ -188,15 +188,23 @@ class WorkerStaging:
     kernel_block_size: int = 0
     ratio: int = 1
     read_spin_s: float = 0.0  # D: longest wait for an imminent READ within one step
+    push: bool = False  # a push-mode worker (P WRITEs into D's staging)
+    hold_s: float = 60.0  # push D: how long a failed request's extent stays unused
     remote: dict[str, dict[str, Any]] = field(default_factory=dict)  # engine_id -> staged
     recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     waiting: dict[str, Any] = field(default_factory=dict)  # req_id -> meta, D staging full
     pending: dict[str, tuple[Extent, dict[str, Any], float]] = field(default_factory=dict)
     # (scatter start event, end event, extent); events are None on the CPU
     releasing: list[tuple[Any, Any, Extent]] = field(default_factory=list)
+    # push mode (see kvcached_pd.transport.staged_push)
+    packed: dict[str, dict[str, int]] = field(default_factory=dict)  # P: req -> its extent
+    push_offers: dict[str, dict[str, Any]] = field(default_factory=dict)  # P: req -> D's offer
+    push_arrived: set[str] = field(default_factory=set)  # D: staged WRITE landed
+    push_waiting: dict[str, dict[str, Any]] = field(default_factory=dict)  # D: held regs
+    quarantine: list[tuple[float, Extent]] = field(default_factory=list)  # D: (until, extent)
     stats: dict[str, float] = field(default_factory=lambda: {
         "packs": 0, "pack_bytes": 0, "pack_s": 0.0, "reads": 0, "read_bytes": 0,
-        "handoff_s": 0.0, "unpack_s": 0.0, "spin_s": 0.0, "fallbacks": 0})
+        "handoff_s": 0.0, "unpack_s": 0.0, "spin_s": 0.0, "fallbacks": 0, "writes": 0})
 
     def handshake_fields(self, device_id: int) -> dict[str, Any]:
         return {"base": int(self.buffer.tensor.data_ptr()),
@@ -223,6 +231,11 @@ class WorkerStaging:
             else:
                 still.append((start, end, extent))
         self.releasing = still
+        if self.quarantine:
+            now = time.monotonic()
+            for _, extent in [q for q in self.quarantine if q[0] <= now]:
+                self.buffer.free(extent)
+            self.quarantine = [q for q in self.quarantine if q[0] > now]
 
 
 def build_layer_views(worker: Any, kv_caches: dict[str, torch.Tensor]) -> tuple[KVCacheLayers, int]:
@@ -259,6 +272,8 @@ def pack_for_requests(worker: Any, st: WorkerStaging, packs: dict[str, dict[str,
             )
         # The scheduler reserved [offset, offset + nbytes) for this request; it frees it.
         pack_request(st.layers, kernel_ids, st.region(order["offset"], order["nbytes"]), st.fmt)
+        if st.push:  # the writer thread WRITEs it once D's registration offers staging
+            st.packed[req_id] = {"offset": int(order["offset"]), "nbytes": int(order["nbytes"])}
         st.stats["packs"] += 1
         st.stats["pack_bytes"] += order["nbytes"]
     if end is not None:
@@ -366,6 +381,8 @@ def await_imminent_reads(worker: Any, st: WorkerStaging, budget_s: float) -> flo
     t0 = time.perf_counter()
     handles = []
     for req_id, (_, info, posted) in st.pending.items():
+        if info.get("push"):
+            continue  # P drives a push; D holds no handle to wait on
         eta = posted + int(info["nbytes"]) / EXPECTED_READ_BYTES_PER_S
         if eta - t0 <= budget_s:
             handles.extend(worker._recving_transfers.get(req_id, ()))
@@ -422,6 +439,14 @@ def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
         if entry is None:
             continue
         extent, info, t0 = entry
+        if info.get("push") and req_id not in st.push_arrived:
+            # P wrote D's blocks by vLLM's own path (it had no packed extent, or its
+            # staged WRITE could not start): the offered extent was never written.
+            st.buffer.free(extent)
+            logger.info("kvcached-pd: request %s arrived by vLLM's push path, not staged",
+                        req_id)
+            continue
+        st.push_arrived.discard(req_id)
         seen_ms = round(1e3 * (time.perf_counter() - t0), 3)  # READ posted -> done seen
         ids, first_token, num_tokens = decode_targets(st, recving_meta.get(req_id),
                                                       int(info["num_tokens"]))
@@ -456,6 +481,14 @@ def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
 def drop_failed(st: WorkerStaging, req_id: str) -> None:
     st.waiting.pop(req_id, None)
     st.recv_info.pop(req_id, None)
+    st.push_waiting.pop(req_id, None)
     entry = st.pending.pop(req_id, None)
-    if entry is not None:
+    if entry is None:
+        return
+    if entry[1].get("push") and req_id not in st.push_arrived:
+        # P may still WRITE into the offered extent (it learnt of it in the registration):
+        # keep it out of use until P's lease on the request has surely run out.
+        st.quarantine.append((time.monotonic() + st.hold_s, entry[0]))
+    else:
         st.releasing.append((None, None, entry[0]))
+    st.push_arrived.discard(req_id)
