@@ -258,13 +258,21 @@ class Bench:
         out = {"prompt_tokens": usage.get("prompt_tokens"), "prefill_s": p.seconds,
                "decode_s": d.seconds, "staged": staged,
                "pack_s": metric_delta(p_before, p_after, M.KVPD_PACK_SUM) if staged else None}
+        # NIXL records a transfer on the side that posts it: D's READ in pull mode, P's
+        # WRITE (posted once D's registration reached P) in push mode.
+        nixl_before, nixl_after = before, after
+        if run.mode.connector == "NixlPushConnector":
+            nixl_before = p_before
+            nixl_after = self._wait_finished(run.p_url, p_before, (M.NIXL_XFER_COUNT,))
         for key, name, labels in (
-                ("server_wait_s", M.QUEUE_TIME_SUM, {}),
                 ("nixl_xfer_s", M.NIXL_XFER_SUM, {}),
                 ("nixl_post_s", M.NIXL_POST_SUM, {}),
                 ("nixl_bytes", M.NIXL_BYTES_SUM, {}),
                 ("nixl_descriptors", M.NIXL_DESCS_SUM, {}),
-                ("nixl_transfers", M.NIXL_XFER_COUNT, {}),
+                ("nixl_transfers", M.NIXL_XFER_COUNT, {})):
+            out[key] = metric_delta(nixl_before, nixl_after, name, **labels)
+        for key, name, labels in (
+                ("server_wait_s", M.QUEUE_TIME_SUM, {}),
                 ("unpack_s", M.KVPD_UNPACK_SUM, {}),
                 ("staged_handoff_s", M.KVPD_HANDOFF_SUM, {}),
                 ("ext_hits", M.EXT_HITS, {}),

@@ -13,6 +13,8 @@ byte for byte, and D's Prometheus counters prove that D loaded the prompts' KV f
 instead of computing it: vllm:external_prefix_cache_hits grew by the number of prompt
 tokens (at least prompt tokens minus one per request), and D computed at most one
 prompt token per request locally (vllm:prompt_tokens_by_source{source=local_compute}).
+Two prompts share a 700-token prefix: the second finds it in D's own prefix cache
+(source=local_cache_hit), which the proof subtracts, and D receives only the rest.
 The negative control (KVCACHED_PD_TEST_CORRUPT=1) passes only when its outputs DIFFER.
 
 Writes under OUTDIR: logs/ (one time-stamped log per instance and proxy), modes/<mode>.json,
@@ -245,6 +247,8 @@ def kv_proof(run: ModeRun) -> dict:
     hits = metric_delta(d_before, d_after, M.EXT_HITS)
     queries = metric_delta(d_before, d_after, M.EXT_QUERIES)
     local = metric_delta(d_before, d_after, M.PROMPT_BY_SOURCE, source="local_compute")
+    # tokens D found in its own prefix cache (the shared-prefix prompts): D loads the rest
+    cached = metric_delta(d_before, d_after, M.PROMPT_BY_SOURCE, source="local_cache_hit") or 0
     external = metric_delta(d_before, d_after, M.PROMPT_BY_SOURCE, source="external_kv_transfer")
 
     def both(name: str) -> float | None:
@@ -259,9 +263,10 @@ def kv_proof(run: ModeRun) -> dict:
         problems.append("could not read D's /metrics")
     elif hits is None:
         problems.append(f"D's /metrics has no {M.EXT_HITS}")
-    elif not (prompt_total - n <= hits <= prompt_total):
+    elif not (prompt_total - cached - n <= hits <= prompt_total - cached):
         problems.append(f"D's external prefix cache hits grew by {hits:.0f}, expected "
-                        f"{prompt_total - n}..{prompt_total} (sum of prompt tokens): "
+                        f"{prompt_total - cached - n:.0f}..{prompt_total - cached:.0f} (sum of "
+                        f"prompt tokens less {cached:.0f} from D's own prefix cache): "
                         "D did not load the KV from P")
     if local is not None and local > n:
         problems.append(f"D computed {local:.0f} prompt tokens locally (at most {n} expected): "
@@ -273,6 +278,7 @@ def kv_proof(run: ModeRun) -> dict:
         "requests": n, "prompt_tokens_total": prompt_total,
         "d_external_prefix_cache_hits": hits, "d_external_prefix_cache_queries": queries,
         "d_prompt_tokens_local_compute": local, "d_prompt_tokens_external_kv_transfer": external,
+        "d_prompt_tokens_local_cache_hit": cached,
         "nixl_bytes": nixl_bytes, "nixl_transfers": nixl_count, "nixl_xfer_seconds": nixl_time,
         "nixl_failed_transfers": nixl_failed,
     }

@@ -142,10 +142,29 @@ SEQUENTIAL_PROMPT_TOKENS = (17, 45, 128, 300, 513, 1024, 2047, 3005, 3800)
 BATCH_PROMPT_TOKENS = (64, 500, 1000, 1500, 2000, 2500, 3000, 3500)
 
 
+# Two prompts that share their first SHARED_PREFIX_TOKENS tokens, sent one after the
+# other: the second finds that prefix in D's own prefix cache (D keeps the blocks it
+# received for the first), so D receives only the rest of it.
+SHARED_PREFIX_TOKENS = 700
+SHARED_TAIL_TOKENS = (300, 413)
+
+
+def shared_prefix_prompts(max_prompt_tokens: int | None = None) -> list[Prompt]:
+    prefix = make_prompt_text(SHARED_PREFIX_TOKENS, seed=3000)  # BOS + 699 bytes
+    out = []
+    for i, tail in enumerate(SHARED_TAIL_TOKENS):
+        n = SHARED_PREFIX_TOKENS + tail  # the tail's text is tail - 1 bytes, plus a space
+        if max_prompt_tokens is None or n <= max_prompt_tokens:
+            text = prefix + " " + make_prompt_text(tail, seed=3001 + i)
+            out.append(Prompt(f"seq-shared{i}-{n}", n, text))
+    return out
+
+
 def sequential_prompts(max_prompt_tokens: int | None = None) -> list[Prompt]:
     return [Prompt(f"seq-{n}", n, make_prompt_text(n, seed=1000 + i))
             for i, n in enumerate(SEQUENTIAL_PROMPT_TOKENS)
-            if max_prompt_tokens is None or n <= max_prompt_tokens]
+            if max_prompt_tokens is None or n <= max_prompt_tokens] + \
+        shared_prefix_prompts(max_prompt_tokens)
 
 
 def batch_prompts(max_prompt_tokens: int | None = None) -> list[Prompt]:

@@ -10,7 +10,8 @@ median of each stage (milliseconds):
 
   d_arrival_to_alloc   D: request arrival -> its blocks allocated (kvcached maps pages here)
   d_alloc_to_post      D: blocks allocated -> staged READ posted (next start_load_kv)
-  d_read_seen          D: READ posted -> seen done (the wire plus polling; spin included)
+  d_read_seen          D: READ posted -> seen done (the wire plus polling; spin included);
+                       push mode: staging offered -> P's staged WRITE seen done
   d_spin               D: of which spent waiting for it within one step
   d_seen_to_reported   D: READ seen done -> the scheduler learns it (next step)
   d_unpack_device      D: device time of the scatter
@@ -68,7 +69,8 @@ def timelines(prefill: list[dict], decode: list[dict]) -> list[dict]:
     p_reqs, d_reqs = _by_request(prefill), _by_request(decode)
     rows = []
     for d in d_reqs.values():
-        alloc, posted, done = d.get("d_alloc"), d.get("read_posted"), d.get("read_done")
+        alloc, done = d.get("d_alloc"), d.get("read_done")
+        posted = d.get("read_posted") or d.get("push_offered")  # push: D offers, P WRITEs
         if not (posted and done):
             continue
         p = p_reqs.get(str(posted.get("remote_req")), {})

@@ -348,3 +348,28 @@ def test_default_bench_modes_start_at_most_three_kvcached_pairs():
     every = [m.name for m in resolve_modes(["all"])]
     assert "kvcached-pd-staged-prealloc" not in every and "kvcached-pd-staged-nospin" not in every
     assert [m.name for m in resolve_modes(["kvcached-pd-staged-nospin"])] == ["kvcached-pd-staged-nospin"]
+
+
+def test_kv_proof_subtracts_decode_prefix_cache_hits():
+    """The shared-prefix prompts find their prefix in D's own cache: D's external hits
+    are the prompt tokens less those, and D recomputing instead is still caught."""
+    import equivalence
+
+    def snap(ext, cached, local):
+        by_source = [({"source": "local_cache_hit"}, cached), ({"source": "local_compute"}, local)]
+        return pd_common.MetricSnapshot(samples={
+            pd_common.M.EXT_HITS: [({}, ext)], pd_common.M.PROMPT_BY_SOURCE: by_source})
+
+    prompts = pd_common.shared_prefix_prompts()
+    assert [p.num_tokens for p in prompts] == [1000, 1113]
+    assert prompts[1].text.startswith(prompts[0].text[:pd_common.SHARED_PREFIX_TOKENS])
+    run = equivalence.ModeRun(mode=equivalence.MODES["vanilla"])
+    run.suite = {"requests": [{"ok": True, "prompt_tokens": p.num_tokens} for p in prompts]}
+    run.metrics_before = {"decode": snap(0, 0, 0)}
+    run.metrics_after = {"decode": snap(2113 - 688, 688, 2)}  # 43 blocks of 16 cached
+    proof = equivalence.kv_proof(run)
+    assert proof["ok"], proof["problems"]
+    assert proof["d_prompt_tokens_local_cache_hit"] == 688
+    run.metrics_after = {"decode": snap(2113 - 688 - 400, 688, 402)}  # D recomputed 400
+    proof = equivalence.kv_proof(run)
+    assert not proof["ok"] and any("external prefix cache hits" in p for p in proof["problems"])

@@ -75,3 +75,21 @@ def test_no_trace_lines_say_so(tmp_path):
     (tmp_path / "vanilla-decode.log").write_text("INFO nothing traced here\n")
     assert trace_timeline.summarize(str(tmp_path)) == {}
     assert "KVCACHED_PD_TRACE" in trace_timeline.render({})
+
+
+def test_push_mode_offer_stands_for_the_read(tmp_path, monkeypatch):
+    """In push mode D posts no READ: its staging offer starts the handoff it waits for."""
+    mib = 16 << 20
+    write_log(tmp_path / "push-prefill.log", [
+        (50.000, "packed", "P1", {"bytes": mib, "device_ms": 0.1, "wall_ms": 1.0}),
+        (50.001, "p_finished", "P1", {"bytes": mib}),
+        (50.006, "write_posted", "P1", {"remote_req": "D1", "bytes": mib, "descs": 1}),
+    ], monkeypatch)
+    write_log(tmp_path / "push-decode.log", [
+        (50.003, "d_alloc", "D1", {"remote_req": "P1", "tokens": 64, "since_arrival_ms": 1.0}),
+        (50.004, "push_offered", "D1", {"remote_req": "P1", "bytes": mib}),
+        (50.008, "read_done", "D1", {"bytes": mib, "seen_ms": 4.0, "spin_ms": 0.0}),
+    ], monkeypatch)
+    (row,) = trace_timeline.summarize(str(tmp_path))["push"]
+    assert row["mib"] == 16 and row["d_read_seen"] == 4.0
+    assert row["d_alloc_to_post"] == pytest.approx(1.0) and row["p_pack_device"] == 0.1
