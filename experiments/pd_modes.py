@@ -108,6 +108,8 @@ MODES: dict[str, Mode] = {
             VANILLA_NHD, PD_STAGED),
         _pd("push", "NixlPushConnector, kvcached_pd staged on both sides", PD_STAGED, PD_STAGED,
             connector="NixlPushConnector", optional=True),
+        _pd("push-direct", "NixlPushConnector, kvcached_pd with vLLM's per-block WRITE",
+            PD_DIRECT, PD_DIRECT, connector="NixlPushConnector", optional=True),
         _pd("push-vanilla",
             "NixlPushConnector without kvcached (tells vLLM's push apart from ours)",
             VANILLA, VANILLA, connector="NixlPushConnector", optional=True),

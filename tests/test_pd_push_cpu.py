@@ -137,6 +137,27 @@ def test_push_writes_the_packed_extent_into_decode_staging(staged_env, p_bs, d_b
     assert p_worker.xfer_stats.data["num_descriptors"] == [1]
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "vllm-per-block"])
+def test_decode_prefix_cache_hit_gets_the_prompts_last_blocks(staged_env, staged):
+    """D holds the prompt's first two blocks from its own prefix cache and registers
+    only the rest. Staged: D unpacks the extent from the first token it lacks. vLLM's
+    per-block push would write P's *first* blocks there (vLLM 0.26-0.28);
+    push_prefix_alignment makes it write P's last ones, as pull mode reads them."""
+    p_worker, p_tensors, d_worker, d_tensors = push_pair(seed=52)
+    num_tokens, cached = 75, 2
+    p_ids, d_all = [7, 2, 9, 4, 0], [3, 10, 5, 1, 8]
+    held = [t[d_all[:cached]].clone() for t in d_tensors]
+    poison_staging(d_worker)
+    info = staged_order(p_worker, len(p_ids), 16, num_tokens) if staged else None
+    push(p_worker, d_worker, p_ids, d_all[cached:], info)
+    first = cached * 16
+    assert torch.equal(tokens(d_tensors, d_all, 16, num_tokens)[:, first:],
+                       tokens(p_tensors, p_ids, 16, num_tokens)[:, first:])
+    for t, before in zip(d_tensors, held):
+        assert torch.equal(t[d_all[:cached]], before)
+    assert worker_staging(p_worker).stats["writes"] == (1 if staged else 0)
+
+
 def test_push_between_different_block_sizes_is_refused_by_vllm_handshake(staged_env):
     """In push mode P handshakes with D; vLLM refuses a D block size that is not a
     divisor of P's before any data path is chosen (the pull-mode mirror image)."""

@@ -37,7 +37,8 @@ pytestmark = [
 
 HEADS, HEAD_DIM, LAYERS, BUDGET = 2, 64, 3, 12
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-PATCHES = ("kvcached_alloc", "nixl_layout", "nixl_registration", "staged_transport")
+PATCHES = ("kvcached_alloc", "nixl_layout", "nixl_registration", "push_prefix_alignment",
+           "staged_transport")
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from kvcached_pd.patches.kvcached_alloc import KvcachedAllocPatch, KvcachedMrv2A
 from kvcached_pd.patches.kvcached_coexistence import KvcachedCoexistencePatch
 from kvcached_pd.patches.nixl_layout import NixlLayoutPatch
 from kvcached_pd.patches.nixl_registration import NixlRegistrationPatch
+from kvcached_pd.patches.push_prefix_alignment import PushPrefixAlignmentPatch
 from kvcached_pd.patches.corrupt_received_kv import CorruptReceivedKVPatch
 from kvcached_pd.patches.staged_transport import StagedTransportPatch
 
@@ -24,6 +25,7 @@ PATCHES: tuple[Patch, ...] = (
     KvcachedMrv2AllocPatch(),
     NixlLayoutPatch(),
     NixlRegistrationPatch(),
+    PushPrefixAlignmentPatch(),  # before the staged hooks, which wrap the same method
     StagedTransportPatch(),
     CorruptReceivedKVPatch(),
 )
