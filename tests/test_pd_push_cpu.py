@@ -232,3 +232,28 @@ def test_a_failed_request_keeps_its_offered_extent_out_of_use(staged_env):
     d_st.quarantine = [(0.0, extent) for _, extent in d_st.quarantine]  # hold elapsed
     d_st.reap(d_worker)
     assert d_st.buffer.allocator.num_live == 0
+
+
+def test_a_staged_write_nixl_refuses_goes_by_vllms_push(staged_env, monkeypatch):
+    """NIXL refuses to start the staged WRITE (here: its first transfer() raises): P
+    releases that handle and writes the blocks by vLLM's path; D, seeing no staged mark,
+    leaves them as written."""
+    p_worker, p_tensors, d_worker, d_tensors = push_pair(seed=54)
+    wrapper = p_worker.nixl_wrapper
+    real_transfer, refused = wrapper.transfer, []
+
+    def transfer_once_refused(handle, *args, **kwargs):
+        if not refused:
+            refused.append(handle)
+            raise RuntimeError("NIXL_ERR_BACKEND (injected)")
+        return real_transfer(handle, *args, **kwargs)
+
+    monkeypatch.setattr(wrapper, "transfer", transfer_once_refused)
+    p_ids, d_ids = [5, 11, 0], [6, 1, 2]
+    poison_staging(d_worker)
+    push(p_worker, d_worker, p_ids, d_ids, staged_order(p_worker, 3, 16, 40))
+    assert refused, "the staged WRITE was never attempted"
+    assert torch.equal(tokens(d_tensors, d_ids, 16, 40), tokens(p_tensors, p_ids, 16, 40))
+    d_st = worker_staging(d_worker)
+    assert worker_staging(p_worker).stats["writes"] == 0 and d_st.stats["reads"] == 0
+    assert d_st.buffer.allocator.num_live == 0

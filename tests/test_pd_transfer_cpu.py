@@ -274,6 +274,26 @@ def test_no_spin_budget_leaves_polling_to_vllm(staged_env):
     assert worker_staging(d_worker).stats["spin_s"] == 0
 
 
+def test_a_staged_read_nixl_refuses_fails_the_request_and_frees_its_extent(staged_env,
+                                                                          monkeypatch):
+    """NIXL refuses to start the staged READ: vLLM's own failure path reports the request
+    (its blocks invalid, so vLLM recomputes them) and D's extent comes back."""
+    p_worker, _, backend = make_side(16, seed=35)
+    d_worker, _, _ = make_side(16, seed=36)
+    handshake(d_worker, p_worker, backend)
+
+    def refuse(handle, *args, **kwargs):
+        raise RuntimeError("NIXL_ERR_BACKEND (injected)")
+
+    monkeypatch.setattr(d_worker.nixl_wrapper, "transfer", refuse)
+    start_transfer(p_worker, d_worker, [1, 2], [3, 4], staged_order(p_worker, 2, 16, 30), 16)
+    _, recv = d_worker.get_finished()
+    st = worker_staging(d_worker)
+    assert "req-1" in (recv or ()) and not st.pending
+    assert st.buffer.allocator.num_live == 0
+    assert d_worker.xfer_stats.data["num_failed_transfers"] == [1.0]
+
+
 def test_direct_path_over_the_physical_budget(staged_env):
     p_worker, p_tensors, backend = make_side(16, seed=3)
     d_worker, d_tensors, _ = make_side(16, seed=4)

@@ -337,36 +337,48 @@ def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) ->
         record_stat(worker, STAT_FALLBACKS, 1)
         logger.warning("kvcached-pd: request %s travels by the direct path: %s", req_id, reason)
         return False
-    local_base = int(st.buffer.tensor.data_ptr()) + extent.offset
-    remote_base = int(peer["base"]) + int(info["offset"])
+    notif = f"{meta.remote.request_id}:{worker.world_size}".encode()
+    try:
+        handle, descs = post_extent_transfer(worker, "READ", st, extent.offset, peer,
+                                             int(info["offset"]), nbytes, engine_id, notif)
+    except Exception as exc:  # noqa: BLE001 - vLLM's own failure path takes over
+        st.buffer.free(extent)
+        logger.error("kvcached-pd: staged READ for %s failed to start: %s", req_id, exc)
+        worker._handle_failed_transfer(req_id, None)
+        return True
+    worker._recving_transfers[req_id].append(handle)
+    st.pending[req_id] = (extent, info, time.perf_counter())
+    trace("read_posted", req_id, remote_req=meta.remote.request_id, bytes=nbytes, descs=descs)
+    return True
+
+
+def post_extent_transfer(worker: Any, op: str, st: WorkerStaging, local_offset: int,
+                         peer: dict[str, Any], remote_offset: int, nbytes: int,
+                         engine_id: str, notif: bytes) -> tuple[Any, int]:
+    """Post one NIXL ``op`` (READ or WRITE) between ``nbytes`` of this side's staging
+    and of the peer's, one descriptor per ``CHUNK_BYTES``. Returns the handle and the
+    descriptor count; raises if NIXL refuses (no handle is left behind)."""
+    local_base = int(st.buffer.tensor.data_ptr()) + local_offset
+    remote_base = int(peer["base"]) + remote_offset
     local, remote = [], []
     for start in range(0, nbytes, CHUNK_BYTES):
         length = min(CHUNK_BYTES, nbytes - start)
         local.append((local_base + start, length, worker.device_id))
         remote.append((remote_base + start, length, int(peer["device_id"])))
     wrapper = worker.nixl_wrapper
-    agent = worker._remote_agents[engine_id][(0, 0)]
-    notif_id = f"{meta.remote.request_id}:{worker.world_size}".encode()
-    handle = None
+    handle = wrapper.initialize_xfer(
+        op,
+        wrapper.get_xfer_descs(local, worker.nixl_memory_type),
+        wrapper.get_xfer_descs(remote, worker.nixl_memory_type),
+        worker._remote_agents[engine_id][(0, 0)],
+        notif,
+    )
     try:
-        handle = wrapper.initialize_xfer(
-            "READ",
-            wrapper.get_xfer_descs(local, worker.nixl_memory_type),
-            wrapper.get_xfer_descs(remote, worker.nixl_memory_type),
-            agent,
-            notif_id,
-        )
         wrapper.transfer(handle)
-    except Exception as exc:  # noqa: BLE001 - vLLM's own failure path takes over
-        st.buffer.free(extent)
-        logger.error("kvcached-pd: staged READ for %s failed to start: %s", req_id, exc)
-        worker._handle_failed_transfer(req_id, handle)
-        return True
-    worker._recving_transfers[req_id].append(handle)
-    st.pending[req_id] = (extent, info, time.perf_counter())
-    trace("read_posted", req_id, remote_req=meta.remote.request_id, bytes=nbytes,
-          descs=len(local))
-    return True
+    except BaseException:
+        wrapper.release_xfer_handle(handle)
+        raise
+    return handle, len(local)
 
 
 def await_imminent_reads(worker: Any, st: WorkerStaging, budget_s: float) -> float:

@@ -41,9 +41,9 @@ from typing import Any
 
 from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.staged import (
-    CHUNK_BYTES,
     STAT_FALLBACKS,
     WorkerStaging,
+    post_extent_transfer,
     record_stat,
 )
 from kvcached_pd.transport.trace import trace
@@ -161,36 +161,18 @@ def start_staged_write(worker: Any, st: WorkerStaging, req_id: str, meta: Any) -
                        req_id, reason)
         return False
     nbytes = packed["nbytes"]
-    local_base = int(st.buffer.tensor.data_ptr()) + packed["offset"]
-    remote_base = int(peer["base"]) + int(offer["offset"])
-    local, remote = [], []
-    for start in range(0, nbytes, CHUNK_BYTES):
-        length = min(CHUNK_BYTES, nbytes - start)
-        local.append((local_base + start, length, worker.device_id))
-        remote.append((remote_base + start, length, int(peer["device_id"])))
-    wrapper = worker.nixl_wrapper
     notif = STAGED_NOTIF_PREFIX + f"{meta.remote.request_id}:{worker.world_size}".encode()
-    handle = None
     try:
-        handle = wrapper.initialize_xfer(
-            "WRITE",
-            wrapper.get_xfer_descs(local, worker.nixl_memory_type),
-            wrapper.get_xfer_descs(remote, worker.nixl_memory_type),
-            worker._remote_agents[engine_id][(0, 0)],
-            notif,
-        )
-        wrapper.transfer(handle)
+        handle, descs = post_extent_transfer(worker, "WRITE", st, packed["offset"], peer,
+                                             int(offer["offset"]), nbytes, engine_id, notif)
     except Exception as exc:  # noqa: BLE001 - vLLM's own path is still correct
-        if handle is not None:
-            wrapper.release_xfer_handle(handle)
         logger.error("kvcached-pd: staged WRITE for %s failed to start (%s); vLLM's "
                      "per-block path takes it", req_id, exc)
         return False
     with worker._sending_transfers_lock:  # published whole, as vLLM does
         worker._sending_transfers[req_id].append(handle)
     st.stats["writes"] += 1
-    trace("write_posted", req_id, remote_req=meta.remote.request_id, bytes=nbytes,
-          descs=len(local))
+    trace("write_posted", req_id, remote_req=meta.remote.request_id, bytes=nbytes, descs=descs)
     return True
 
 
