@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU host should run in one command, after install_on_host.sh:
-# the equivalence harness over all modes (all at once by default), then the transfer
+# the equivalence harness over all modes (5 at a time by default), then the transfer
 # benchmark. Installs nothing; makes the test models only if they are missing.
 # Designed for one ~10-minute command: both parts run under deadlines that share
 # RUN_ALL_BUDGET_S (default 540 s), so results are written even when time runs short.
@@ -18,7 +18,8 @@
 #   RUN_ALL_BUDGET_S=540   whole budget; EQ_DEADLINE_S=240 caps the equivalence part,
 #                          the benchmark gets what is left (at most BENCH_DEADLINE_S=300)
 #   EQ_MODES="all"         e.g. "vanilla kvcached-pd-staged negative"
-#   EQ_PARALLEL=0          modes started at once (0 = all)
+#   EQ_PARALLEL=5          modes started at once (0 = all; 8 kvcached instances
+#                          starting at once ran out of device memory on the host)
 #   BENCH_MODES=...        e.g. "vanilla,kvcached-pd-staged"
 #   BENCH_SIZES=...        KV MiB per request, e.g. "1,16,256,1024"
 #   EQ_ARGS=... BENCH_ARGS=...  extra options (split on spaces), e.g. EQ_ARGS="--kv-both"
@@ -62,7 +63,7 @@ EQ_BUDGET=$(( BUDGET - $(elapsed) ))
 echo "=== equivalence (deadline ${EQ_BUDGET}s) at +$(elapsed)s"
 # shellcheck disable=SC2086  # EQ_MODES and EQ_ARGS are lists of words
 bash "$HERE/equivalence.sh" "$WORK/equivalence" ${EQ_MODES:-all} --model "$TINY_MODEL" \
-  --parallel "${EQ_PARALLEL:-0}" --deadline-s "$EQ_BUDGET" ${EQ_ARGS:-}
+  --parallel "${EQ_PARALLEL:-5}" --deadline-s "$EQ_BUDGET" ${EQ_ARGS:-}
 EQ_RC=$?
 echo "equivalence exit status $EQ_RC at +$(elapsed)s"
 nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader || true
