@@ -381,3 +381,27 @@ def test_staged_handoff_with_and_without_kvcached(staged_env, p_kvcached, d_kvca
     run_transfer(p_worker, d_worker, p_ids, d_ids, 33, info, 16)
     assert torch.equal(tokens(d_tensors, d_ids, 16, 33), tokens(p_tensors, p_ids, 16, 33))
     assert worker_staging(d_worker).stats["reads"] == 1
+
+
+def test_decode_extent_reservation_outcomes(staged_env):
+    """The one decision both data paths make on D: an extent, wait, or not staged."""
+    from kvcached_pd.transport.format import PackedFormat
+    from kvcached_pd.transport.staged import reserve_decode_extent
+
+    d_worker, _, _ = make_side(16, seed=37)
+    st = worker_staging(d_worker)
+    info = staged_order(d_worker, 3, 16, 40)
+    extent, reason = reserve_decode_extent(st, "a", info, False)
+    assert extent is not None and reason is None and extent.nbytes >= info["nbytes"]
+    other = PackedFormat.for_cache(LAYERS, HEADS + 1, HEAD_DIM, torch.float16).to_dict()
+    extent_b, reason = reserve_decode_extent(st, "b", {**info, "format": other}, False)
+    assert extent_b is None and reason.startswith("packed formats differ")
+    huge = {**info, "nbytes": st.buffer.allocator.capacity_bytes + 1}
+    extent_c, reason = reserve_decode_extent(st, "c", huge, False)
+    assert extent_c is None and "exceed the decode staging region" in reason
+    hog = st.buffer.alloc(st.buffer.allocator.free_bytes, "hog")
+    assert hog is not None
+    assert reserve_decode_extent(st, "d", info, False) == (None, None)  # wait for room
+    st.buffer.free(hog)
+    st.buffer.free(extent)
+    assert st.buffer.allocator.num_live == 0

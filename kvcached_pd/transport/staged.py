@@ -299,6 +299,27 @@ def _log_transfer(st: WorkerStaging, what: str, count: float, detail: str) -> No
     logger.log(level, "kvcached-pd: %s #%d: %s", what, int(count), detail)
 
 
+def reserve_decode_extent(st: WorkerStaging, req_id: str, info: dict[str, Any],
+                          already_waiting: bool) -> tuple[Extent | None, str | None]:
+    """D's extent for the packed extent ``info`` describes: ``(extent, None)``;
+    ``(None, None)`` when it would fit but there is no room now (the caller waits);
+    ``(None, reason)`` when it cannot be staged."""
+    try:
+        st.fmt.check_compatible(PackedFormat.from_dict(info["format"]))
+    except ValueError as exc:
+        return None, f"packed formats differ: {exc}"
+    nbytes = int(info["nbytes"])
+    extent = st.buffer.alloc(nbytes, req_id)
+    if extent is not None:
+        return extent, None
+    if nbytes > st.buffer.allocator.capacity_bytes:
+        return None, f"its {nbytes >> 20} MiB exceed the decode staging region"
+    if not already_waiting:
+        logger.info("kvcached-pd: decode staging full (%d MiB used); request %s waits for "
+                    "room", st.buffer.allocator.used_bytes >> 20, req_id)
+    return None, None
+
+
 def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) -> bool:
     """Post the coalesced READ for one request; False means "use the direct path".
 
@@ -315,21 +336,10 @@ def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) ->
     if peer is None:
         reason = "the prefill side offered no staging in its handshake"
     else:
-        try:
-            st.fmt.check_compatible(PackedFormat.from_dict(info["format"]))
-        except ValueError as exc:
-            reason = f"packed formats differ: {exc}"
-    if reason is None:
-        nbytes = int(info["nbytes"])
-        extent = st.buffer.alloc(nbytes, req_id)
-        if extent is None:
-            if nbytes <= st.buffer.allocator.capacity_bytes:
-                if req_id not in st.waiting:
-                    logger.info("kvcached-pd: decode staging full (%d MiB used); request %s "
-                                "waits for room", st.buffer.allocator.used_bytes >> 20, req_id)
-                st.waiting[req_id] = meta
-                return True
-            reason = f"its {nbytes >> 20} MiB exceed the decode staging region"
+        extent, reason = reserve_decode_extent(st, req_id, info, req_id in st.waiting)
+        if extent is None and reason is None:
+            st.waiting[req_id] = meta
+            return True
     st.recv_info.pop(req_id, None)
     st.waiting.pop(req_id, None)
     if reason is not None:
@@ -337,6 +347,7 @@ def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) ->
         record_stat(worker, STAT_FALLBACKS, 1)
         logger.warning("kvcached-pd: request %s travels by the direct path: %s", req_id, reason)
         return False
+    nbytes = int(info["nbytes"])
     notif = f"{meta.remote.request_id}:{worker.world_size}".encode()
     try:
         handle, descs = post_extent_transfer(worker, "READ", st, extent.offset, peer,

@@ -39,12 +39,12 @@ import queue
 import time
 from typing import Any
 
-from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.staged import (
     STAT_FALLBACKS,
     WorkerStaging,
     post_extent_transfer,
     record_stat,
+    reserve_decode_extent,
 )
 from kvcached_pd.transport.trace import trace
 
@@ -88,21 +88,10 @@ def offer_staging(worker: Any, st: WorkerStaging, req_id: str, reg: dict[str, An
     info = st.recv_info.get(req_id)
     if info is None:
         return "direct"  # P packed nothing (no kvcached-pd there, or its staging full)
-    reason = None
-    try:
-        st.fmt.check_compatible(PackedFormat.from_dict(info["format"]))
-    except ValueError as exc:
-        reason = f"packed formats differ: {exc}"
+    extent, reason = reserve_decode_extent(st, req_id, info, req_id in st.push_waiting)
+    if extent is None and reason is None:
+        return "wait"
     nbytes = int(info["nbytes"])
-    if reason is None:
-        extent = st.buffer.alloc(nbytes, req_id)
-        if extent is None:
-            if nbytes <= st.buffer.allocator.capacity_bytes:
-                if req_id not in st.push_waiting:
-                    logger.info("kvcached-pd: decode staging full (%d MiB used); request %s "
-                                "waits for room", st.buffer.allocator.used_bytes >> 20, req_id)
-                return "wait"
-            reason = f"its {nbytes >> 20} MiB exceed the decode staging region"
     st.recv_info.pop(req_id, None)
     if reason is not None:
         st.stats["fallbacks"] += 1
