@@ -1,5 +1,9 @@
 """The staged, coalesced data path, plugged into vLLM's pull-mode NixlConnector.
 
+Push mode (``NixlPushConnector``) is in :mod:`kvcached_pd.transport.staged_push`; it
+shares this module's state (:class:`SchedulerStaging`, :class:`WorkerStaging`), the
+pack on P, D's extent reservation, the transfer posting and D's unpack.
+
 vLLM's control plane stays as it is: handshake, ``kv_transfer_params``, D's completion
 notification to P, P's abort timeout, stats. Only the bytes take another path:
 
@@ -27,8 +31,9 @@ ordinary device allocations, registered once. The staging address and packed for
 travel in the handshake metadata (extra fields that vanilla peers ignore).
 
 Fallbacks, never errors: no room in P's staging -> no staging params -> D reads blocks
-directly; no room in D's staging, no staged peer, or a format mismatch -> D reads
-blocks directly (logged). Scope: pull mode, TP=1, one full-attention KV-cache group.
+directly; an extent larger than D's whole staging, no staged peer, or a format mismatch
+-> D reads blocks directly (logged); no room in D's staging right now -> the read waits
+for room. Scope: TP=1, one full-attention KV-cache group.
 """
 
 from __future__ import annotations
