@@ -31,7 +31,7 @@ PACK_KERNELS = ("auto", "triton", "torch")  # auto: Triton once proven on the de
 # remote then); direct, i.e. vLLM's own data path, for plain vLLM unless asked.
 DEFAULT_TRANSPORT_WITH_KVCACHED = "staged"
 DEFAULT_TRANSPORT = "direct"
-DEFAULT_STAGING_MB = 1024
+DEFAULT_STAGING_MB = None  # sized from the engine (kvcached_pd.transport.sizing)
 # The decode side polls its staged READs once per engine step. A READ predicted to end
 # within this budget is waited for in the same step, saving a whole engine step of
 # latency for at most this much blocking. 0 turns it off.
@@ -79,7 +79,7 @@ class Settings:
     disabled_patches: frozenset[str] = frozenset()
     strict: bool = False
     transport: str = DEFAULT_TRANSPORT
-    staging_mb: int = DEFAULT_STAGING_MB
+    staging_mb: int | None = DEFAULT_STAGING_MB
     read_spin_us: int = DEFAULT_READ_SPIN_US
     pack_kernel: str = "auto"
     trace: bool = False
@@ -112,14 +112,17 @@ def read_settings(
         )
         transport = default
 
-    raw_mb = env.get(KVCACHED_PD_STAGING_MB, str(DEFAULT_STAGING_MB)).strip()
-    try:
-        staging_mb = int(raw_mb)
-        if staging_mb <= 0:
-            raise ValueError
-    except ValueError:
-        problems.append(f"{KVCACHED_PD_STAGING_MB}={raw_mb!r} must be a positive integer (MiB)")
-        staging_mb = DEFAULT_STAGING_MB
+    raw_mb = (env.get(KVCACHED_PD_STAGING_MB) or "").strip()
+    staging_mb = DEFAULT_STAGING_MB
+    if raw_mb:
+        try:
+            staging_mb = int(raw_mb)
+            if staging_mb <= 0:
+                raise ValueError
+        except ValueError:
+            problems.append(f"{KVCACHED_PD_STAGING_MB}={raw_mb!r} must be a positive integer "
+                            "(MiB), or unset for the default size")
+            staging_mb = DEFAULT_STAGING_MB
 
     raw_spin = env.get(KVCACHED_PD_READ_SPIN_US, str(DEFAULT_READ_SPIN_US)).strip()
     try:

@@ -82,6 +82,7 @@ class StagedTransportPatch(Patch):
         self._replace(base_worker_mod, "NixlAgentMetadata", staged_meta_cls)
 
         hooks = {
+            (pull_sched_cls, "get_num_new_matched_tokens"): _sched_get_num_new_matched_tokens,
             (pull_sched_cls, "update_state_after_alloc"): _sched_update_state_after_alloc,
             (pull_sched_cls, "build_connector_meta"): functools.partial(
                 _sched_build_connector_meta, base_sched_mod.yield_req_data),
@@ -95,6 +96,7 @@ class StagedTransportPatch(Patch):
             (pull_worker_cls, "get_finished"): _worker_get_finished,
             (pull_worker_cls, "_handle_failed_transfer"): _worker_handle_failed_transfer,
             (connector_cls, "wait_for_save"): _connector_wait_for_save,
+            (connector_cls, "get_kv_connector_stats"): _connector_get_kv_connector_stats,
             (stats_mod.NixlKVConnectorStats, "reset"): _stats_reset,
             (stats_mod.NixlKVConnectorStats, "is_empty"): _stats_is_empty,
             (stats_mod.NixlPromMetrics, "__init__"): _prom_init,
@@ -102,6 +104,7 @@ class StagedTransportPatch(Patch):
         }
         if push_worker_cls is not None and push_sched_cls is not None:
             hooks.update({
+                (push_sched_cls, "get_num_new_matched_tokens"): _sched_get_num_new_matched_tokens,
                 (push_sched_cls, "update_state_after_alloc"): _sched_update_state_after_alloc,
                 (push_sched_cls, "request_finished"): _sched_request_finished,
                 (push_worker_cls, "start_load_kv"): _push_worker_start_load_kv,
@@ -130,7 +133,7 @@ def _sched_state(sched: Any):
 
     state = vars(sched).get(STATE, False)
     if state is False:
-        state = SchedulerStaging.create(sched, _settings().staging_mb)
+        state = SchedulerStaging.create(sched, _settings().staging_mb)  # may raise: too small
         if state is None:
             logger.warning("kvcached-pd: staged transport does not serve this model "
                            "(needs TP=1 and one full-attention KV group); direct path")
@@ -146,6 +149,19 @@ def scheduler_staging(sched: Any):
 def worker_staging(worker: Any):
     """The staging state of a NIXL connector worker (None if not staged)."""
     return _worker_state(worker)
+
+
+def _sched_get_num_new_matched_tokens(original, self, request, num_computed_tokens):
+    """P: a remote-decode prefill is scheduled only once its staging extent is reserved;
+    ``None`` tells vLLM's scheduler to skip it this step and try again (backpressure)."""
+    result = original(self, request, num_computed_tokens)
+    params = request.kv_transfer_params or {}
+    if not params.get("do_remote_decode") or params.get("remote_block_ids"):
+        return result  # not a prefill for a remote decode (or a turn-2 readback)
+    state = _sched_state(self)
+    if state is not None and not state.admit(request):
+        return None, False
+    return result
 
 
 def _sched_update_state_after_alloc(original, self, request, blocks, num_external_tokens):
@@ -166,8 +182,11 @@ def _sched_update_state_after_alloc(original, self, request, blocks, num_externa
 def _sched_build_connector_meta(yield_req_data, original, self, scheduler_output):
     from kvcached_pd.transport.staged import PARAMS_KEY
 
+    # Only requests D holds blocks for: one queued with none (aborted before D scheduled
+    # it, or a full prefix hit) is vLLM's to finish, by notifying P (has_local_blocks).
     recv = {rid: (req.kv_transfer_params or {}).get(PARAMS_KEY)
-            for rid, (req, _) in getattr(self, "_reqs_need_recv", {}).items()}
+            for rid, (req, block_ids) in getattr(self, "_reqs_need_recv", {}).items()
+            if any(len(group) > 0 for group in (block_ids or ()))}
     meta = original(self, scheduler_output)
     state = _sched_state(self)
     meta.kvcached_pd_recv = {rid: info for rid, info in recv.items() if info}
@@ -206,12 +225,13 @@ def _worker_state(worker: Any):
 
 def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, self, kv_caches):
     from kvcached_pd.transport.pack import select_kernel
+    from kvcached_pd.transport.sizing import plan_for
     from kvcached_pd.transport.staged import (
+        ALIGNMENT,
         HANDSHAKE_FIELD,
         WorkerStaging,
         build_layer_views,
         packed_format_for,
-        staging_capacity_bytes,
     )
     from kvcached_pd.transport.staging import StagingBuffer
 
@@ -227,7 +247,9 @@ def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, sel
         return original(self, kv_caches)
     first = next(iter(kv_caches.values()))
     settings = _settings()
-    buffer = StagingBuffer(staging_capacity_bytes(settings.staging_mb), first.device, alignment=4096)
+    plan = plan_for(self.vllm_config, self.kv_cache_config, fmt, settings.staging_mb)
+    buffer = StagingBuffer(plan.total_bytes, first.device, alignment=ALIGNMENT,
+                           alloc_start=plan.decode_start, alloc_bytes=plan.decode_bytes)
     device_id = max(first.get_device(), 0)
     descs = self.nixl_wrapper.get_reg_descs(
         [(int(buffer.tensor.data_ptr()), int(buffer.tensor.numel()), device_id, "")],
@@ -254,9 +276,11 @@ def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, sel
                 f"for a READ about to end ({config.KVCACHED_PD_READ_SPIN_US})")
     logger.info(
         "kvcached-pd: staged transport ready (%s): %d MiB staging registered with NIXL "
-        "(%s), packed format %s, %d layers x %d-token kernel blocks, pack/unpack kernels: %s",
-        mode, buffer.tensor.numel() >> 20, self.nixl_memory_type, fmt.to_dict(),
-        state.layers.num_layers, state.kernel_block_size, kernels,
+        "(%s; prefill %d MiB, decode %d MiB, %s), packed format %s, %d layers x %d-token "
+        "kernel blocks, pack/unpack kernels: %s",
+        mode, buffer.tensor.numel() >> 20, self.nixl_memory_type, plan.prefill_bytes >> 20,
+        plan.decode_bytes >> 20, plan.rule, fmt.to_dict(), state.layers.num_layers,
+        state.kernel_block_size, kernels,
     )
     return result
 
@@ -342,6 +366,9 @@ def _push_worker_start_load_kv(original, self, metadata):
 
     state = _worker_state(self)
     if state is not None:
+        for req_id in getattr(metadata, "reqs_not_processed", None) or ():
+            state.packed.pop(req_id, None)  # aborted on P: its extent is freed, never WRITE it
+            state.push_offers.pop(req_id, None)
         for req_id, info in (getattr(metadata, "kvcached_pd_recv", {}) or {}).items():
             recv = metadata.reqs_to_recv.get(req_id)
             remote = getattr(recv, "remote", None)
@@ -409,6 +436,23 @@ def _connector_wait_for_save(original, self):
     return result
 
 
+def _connector_get_kv_connector_stats(original, self):
+    """The scheduler's own samples (P's staging gauge, its fallbacks and waits) ride in
+    vLLM's KV-connector stats like the workers' (vLLM's scheduler merges them)."""
+    result = original(self)
+    sched = getattr(self, "connector_scheduler", None)
+    state = vars(sched).get(STATE) if sched is not None else None
+    if not state:
+        return result
+    samples = state.take_samples()
+    if not samples:
+        return result
+    stats = result if result is not None else self.build_kv_connector_stats()
+    for key, values in samples.items():
+        stats.data.setdefault(key, []).extend(values)
+    return stats
+
+
 # ----------------------------------------------------------------------------- stats
 # vLLM's NIXL stats travel from the workers to the API server's Prometheus registry as
 # a dict of lists; kvcached-pd's series ride along under their own keys (every process
@@ -436,10 +480,15 @@ _PROM_SERIES = (
      "kvcached-pd: decode side, staged READ posted to scatter enqueued", "time"),
     ("kvcached_pd_unpack_duration", "vllm:kvcached_pd_unpack_seconds",
      "kvcached-pd: decode side, scatter of an extent into KV blocks (device time)", "time"),
-    ("kvcached_pd_staging_used_bytes", "vllm:kvcached_pd_staging_used_bytes",
-     "kvcached-pd: staging occupancy, sampled at each pack and handoff", "bytes"),
+    ("kvcached_pd_prefill_staging_bytes", "vllm:kvcached_pd_prefill_staging_bytes",
+     "kvcached-pd: bytes of the prefill staging range held by extents", "gauge"),
+    ("kvcached_pd_decode_staging_bytes", "vllm:kvcached_pd_decode_staging_bytes",
+     "kvcached-pd: bytes of the decode staging range held by extents", "gauge"),
     ("kvcached_pd_direct_fallbacks", "vllm:kvcached_pd_direct_fallbacks",
      "kvcached-pd: requests that took the direct path instead of staging", None),
+    ("kvcached_pd_staging_waits", "vllm:kvcached_pd_staging_waits",
+     "kvcached-pd: requests that waited for staging room (P: prefill held back; D: READ "
+     "or push registration held back)", None),
 )
 _TIME_BUCKETS = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
 _BYTE_BUCKETS = [2 ** (20 + i) for i in range(0, 16, 2)]  # 1 MiB .. 16 GiB
@@ -456,6 +505,9 @@ def _prom_init(original, self, *args, **kwargs):
     for key, name, doc, kind in _PROM_SERIES:
         if kind is None:
             metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+        elif kind == "gauge":
+            metric = self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                     multiprocess_mode="mostrecent")
         else:
             buckets = _TIME_BUCKETS if kind == "time" else _BYTE_BUCKETS
             metric = self._histogram_cls(name=name, documentation=doc, buckets=buckets,
@@ -468,7 +520,12 @@ def _prom_init(original, self, *args, **kwargs):
 def _prom_observe(original, self, transfer_stats_data, engine_idx=0):
     result = original(self, transfer_stats_data, engine_idx)
     for key, (kind, per_engine) in getattr(self, "_kvcached_pd_metrics", {}).items():
-        for value in transfer_stats_data.get(key, ()):
+        values = transfer_stats_data.get(key, ())
+        if kind == "gauge":
+            if values:  # samples are taken on every change: the last one is current
+                per_engine[engine_idx].set(values[-1])
+            continue
+        for value in values:
             if kind is None:
                 per_engine[engine_idx].inc(value)
             else:

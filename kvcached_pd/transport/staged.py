@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from kvcached_pd.transport import sizing
 from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
 from kvcached_pd.transport.pack import pack_request, unpack_request
@@ -59,9 +60,12 @@ PARAMS_KEY = "kvcached_pd_staged"  # in kv_transfer_params, P -> D
 STAT_PACK = "kvcached_pd_pack_duration"  # s, device time of one step's pack kernels
 STAT_HANDOFF = "kvcached_pd_handoff_duration"  # s, D: READ posted -> scatter enqueued
 STAT_UNPACK = "kvcached_pd_unpack_duration"  # s, D: scatter time on the device
-STAT_STAGING_USED = "kvcached_pd_staging_used_bytes"  # sampled at each pack / handoff
+STAT_P_STAGING = "kvcached_pd_prefill_staging_bytes"  # gauge: P's range in use, on change
+STAT_D_STAGING = "kvcached_pd_decode_staging_bytes"  # gauge: D's range in use, on change
 STAT_FALLBACKS = "kvcached_pd_direct_fallbacks"  # requests that took the direct path
-STAT_KEYS = (STAT_PACK, STAT_HANDOFF, STAT_UNPACK, STAT_STAGING_USED, STAT_FALLBACKS)
+STAT_WAITS = "kvcached_pd_staging_waits"  # requests that waited for staging room
+STAT_KEYS = (STAT_PACK, STAT_HANDOFF, STAT_UNPACK, STAT_P_STAGING, STAT_D_STAGING,
+             STAT_FALLBACKS, STAT_WAITS)
 
 
 def record_stat(worker: Any, key: str, value: float) -> None:
@@ -70,16 +74,14 @@ def record_stat(worker: Any, key: str, value: float) -> None:
     series = getattr(stats, "data", {}).get(key) if stats is not None else None
     if series is not None:
         series.append(value)
+
+
 HANDSHAKE_FIELD = "kvcached_pd_staged"  # in NIXL agent metadata
 CHUNK_BYTES = 64 << 20  # one NIXL descriptor per 64 MiB of extent
 # What D assumes a staged READ runs at when predicting whether it ends within the spin
 # budget: below the 243 GB/s measured at 1 GiB on NVLink, so predictions err late.
 EXPECTED_READ_BYTES_PER_S = 150e9
-ALIGNMENT = 4096
-
-
-def staging_capacity_bytes(staging_mb: int) -> int:
-    return staging_mb << 20
+ALIGNMENT = sizing.ALIGNMENT
 
 
 def packed_format_for(kv_cache_config: Any, tp_size: int) -> PackedFormat | None:
@@ -105,29 +107,83 @@ class _Tracked:
 
 @dataclass
 class SchedulerStaging:
-    """Per-scheduler state: P-side extents, mirrored 1:1 on the (single) worker."""
+    """P's scheduler: the prefill range of the staging buffer, request by request.
+
+    A remote-decode request gets its extent *before* vLLM schedules its prefill
+    (:meth:`admit`, from ``get_num_new_matched_tokens``); while there is no room vLLM
+    skips the request and tries again next step, so a full staging means waiting for
+    D's READs to free room, never the direct path (0.5 GB/s for kvcached peers). The
+    extent is packed in the step that completes the prompt, travels to D in
+    ``kv_transfer_params`` and is freed when vLLM frees P's blocks (D's notification or
+    the abort timeout), or at once when the request ends without a remote decode.
+    """
 
     fmt: PackedFormat
     block_size: int
     allocator: ExtentAllocator
     tracked: dict[str, _Tracked] = field(default_factory=dict)
+    reserved: dict[str, Extent] = field(default_factory=dict)  # admitted, not packed yet
     extents: dict[str, tuple[Extent, dict[str, Any]]] = field(default_factory=dict)
+    waiting: set[str] = field(default_factory=set)  # held back for room right now
     fallbacks: int = 0
+    waits: int = 0
+    # stats for vLLM's KV-connector stats (the scheduler has no worker to carry them)
+    samples: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, scheduler: Any, staging_mb: int) -> "SchedulerStaging | None":
+    def create(cls, scheduler: Any, staging_mb: int | None) -> "SchedulerStaging | None":
         tp = scheduler.vllm_config.parallel_config.tensor_parallel_size
         fmt = packed_format_for(scheduler.kv_cache_config, tp)
         if fmt is None:
             return None
+        plan = sizing.plan_for(scheduler.vllm_config, scheduler.kv_cache_config, fmt,
+                               staging_mb)
         return cls(fmt=fmt, block_size=int(scheduler.block_size),
-                   allocator=ExtentAllocator(staging_capacity_bytes(staging_mb), ALIGNMENT))
+                   allocator=ExtentAllocator(plan.prefill_bytes, ALIGNMENT))
+
+    def _sample(self, key: str, value: float) -> None:
+        self.samples.setdefault(key, []).append(value)
+
+    def _usage_changed(self) -> None:
+        self._sample(STAT_P_STAGING, self.allocator.used_bytes)
+
+    def take_samples(self) -> dict[str, list[float]]:
+        samples, self.samples = self.samples, {}
+        return samples
+
+    def extent_bytes(self, request: Any) -> int:
+        n_blocks = math.ceil(int(request.num_prompt_tokens) / self.block_size)
+        return self.fmt.extent_bytes(n_blocks * self.block_size)
+
+    def admit(self, request: Any) -> bool:
+        """Reserve the extent of a remote-decode prefill; False: no room now, hold the
+        request back (vLLM retries it next step)."""
+        req_id = request.request_id
+        if req_id in self.reserved or req_id in self.extents:
+            return True
+        nbytes = self.extent_bytes(request)
+        extent = self.allocator.alloc(nbytes, req_id)
+        if extent is None:
+            if nbytes > self.allocator.capacity_bytes:
+                return True  # can never fit (explicit sizes are checked at startup)
+            if req_id not in self.waiting:
+                self.waiting.add(req_id)
+                self.waits += 1
+                self._sample(STAT_WAITS, 1)
+                logger.info("kvcached-pd: prefill staging full (%d of %d MiB in use); request "
+                            "%s (%d MiB) waits for room", self.allocator.used_bytes >> 20,
+                            self.allocator.capacity_bytes >> 20, req_id, nbytes >> 20)
+            return False
+        self.waiting.discard(req_id)
+        self.reserved[req_id] = extent
+        self._usage_changed()
+        return True
 
     def track(self, request: Any) -> None:
         self.tracked.setdefault(request.request_id, _Tracked(request))
 
     def on_step(self, scheduler_output: Any, meta: Any, yield_req_data) -> None:
-        """Follow block ids; reserve and order a pack when a prefill completes."""
+        """Follow block ids; order a pack when a prefill completes."""
         packs: dict[str, dict[str, Any]] = {}
         num_scheduled = scheduler_output.num_scheduled_tokens or {}
         for req_id, new_block_id_groups, _ in yield_req_data(scheduler_output):
@@ -144,15 +200,17 @@ class SchedulerStaging:
             block_ids = tracked.block_ids[:n_blocks]
             n_tok_slots = n_blocks * self.block_size
             nbytes = self.fmt.extent_bytes(n_tok_slots)
-            extent = self.allocator.alloc(nbytes, req_id)
-            if extent is None:
+            extent = self.reserved.pop(req_id, None)
+            if extent is None or extent.nbytes != nbytes:
+                if extent is not None:
+                    self.allocator.free(extent)
+                    self._usage_changed()
                 self.fallbacks += 1
+                self._sample(STAT_FALLBACKS, 1)
                 logger.warning(
-                    "kvcached-pd: staging full (%d MiB used of %d) for request %s (%d MiB): "
-                    "it will travel by the direct path",
-                    self.allocator.used_bytes >> 20, self.allocator.capacity_bytes >> 20,
-                    req_id, nbytes >> 20,
-                )
+                    "kvcached-pd: request %s (%d MiB) has no staging extent (%d of %d MiB in "
+                    "use): it will travel by the direct path", req_id, nbytes >> 20,
+                    self.allocator.used_bytes >> 20, self.allocator.capacity_bytes >> 20)
                 continue
             info = {"offset": extent.offset, "nbytes": nbytes, "n_tok_slots": n_tok_slots,
                     "num_tokens": num_tokens, "format": self.fmt.to_dict()}
@@ -165,8 +223,10 @@ class SchedulerStaging:
     def on_finished(self, request: Any, delay_free: bool, params: dict | None) -> None:
         req_id = request.request_id
         self.tracked.pop(req_id, None)
+        self.waiting.discard(req_id)
         entry = self.extents.get(req_id)
         if entry is None:
+            self.release(req_id)  # aborted before its prompt completed
             return
         if delay_free and params is not None and params.get("remote_block_ids") is not None:
             params[PARAMS_KEY] = dict(entry[1])
@@ -176,9 +236,14 @@ class SchedulerStaging:
             self.release(req_id)
 
     def release(self, req_id: str) -> None:
+        extent = self.reserved.pop(req_id, None)
+        if extent is not None:
+            self.allocator.free(extent)
+            self._usage_changed()
         entry = self.extents.pop(req_id, None)
         if entry is not None:
             self.allocator.free(entry[0])
+            self._usage_changed()
             trace("p_released", req_id, held_ms=ms_since(entry[1].get("finished_at")))
 
 
@@ -207,6 +272,9 @@ class WorkerStaging:
     push_arrived: set[str] = field(default_factory=set)  # D: staged WRITE landed
     push_waiting: dict[str, dict[str, Any]] = field(default_factory=dict)  # D: held regs
     quarantine: list[tuple[float, Extent]] = field(default_factory=list)  # D: (until, extent)
+    # P: packs enqueued on the compute stream, not waited for: (req ids, bytes, start
+    # event, end event, wall start); their device time is recorded once they are done
+    packing: list[tuple[str, int, Any, Any, float]] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=lambda: {
         "packs": 0, "pack_bytes": 0, "pack_s": 0.0, "reads": 0, "read_bytes": 0,
         "handoff_s": 0.0, "unpack_s": 0.0, "spin_s": 0.0, "fallbacks": 0, "writes": 0})
@@ -223,12 +291,17 @@ class WorkerStaging:
         r = self.ratio
         return [b * r + i for b in logical_ids for i in range(r)]
 
+    def decode_usage_changed(self, worker: Any) -> None:
+        record_stat(worker, STAT_D_STAGING, self.buffer.allocator.used_bytes)
+
     def reap(self, worker: Any = None) -> None:
         """Free D extents whose scatter has finished on the device; record its time."""
         still = []
+        freed = False
         for start, end, extent in self.releasing:
             if end is None or end.query():
                 self.buffer.free(extent)
+                freed = True
                 if start is not None and worker is not None:
                     record_stat(worker, STAT_UNPACK, start.elapsed_time(end) / 1e3)
                     trace("unpack_done", str(extent.owner),
@@ -240,7 +313,33 @@ class WorkerStaging:
             now = time.monotonic()
             for _, extent in [q for q in self.quarantine if q[0] <= now]:
                 self.buffer.free(extent)
+                freed = True
             self.quarantine = [q for q in self.quarantine if q[0] > now]
+        if freed and worker is not None:
+            self.decode_usage_changed(worker)
+        if self.packing:
+            self.reap_packs(worker)
+
+    def reap_packs(self, worker: Any = None) -> None:
+        """Record the device time of packs that have finished (P never waits for them:
+        see :func:`pack_for_requests`)."""
+        still = []
+        for entry in self.packing:
+            req_ids, nbytes, start, end, wall0 = entry
+            if end is not None and not end.query():
+                still.append(entry)
+                continue
+            wall = time.perf_counter() - wall0
+            device = start.elapsed_time(end) / 1e3 if end is not None else wall
+            self.stats["pack_s"] += device
+            if worker is not None:
+                record_stat(worker, STAT_PACK, device)
+            trace("packed", req_ids, bytes=nbytes, device_ms=round(1e3 * device, 3),
+                  wall_ms=round(1e3 * wall, 3))
+            _log_transfer(self, "pack", self.stats["packs"],
+                          f"{nbytes >> 20} MiB packed for {req_ids} in {1e3 * device:.2f} ms "
+                          "on the device")
+        self.packing = still
 
 
 def build_layer_views(worker: Any, kv_caches: dict[str, torch.Tensor]) -> tuple[KVCacheLayers, int]:
@@ -259,6 +358,15 @@ def build_layer_views(worker: Any, kv_caches: dict[str, torch.Tensor]) -> tuple[
 
 
 def pack_for_requests(worker: Any, st: WorkerStaging, packs: dict[str, dict[str, Any]]) -> None:
+    """Gather each finished prefill's blocks into its extent, on the compute stream.
+
+    Called from ``wait_for_save``, after the step's forward and before vLLM samples, on
+    the same stream: the sampled token, and with it P's response that hands D the
+    extent, cannot exist before the pack has run. So P does not wait for the pack here
+    (earlier releases did, which stalled the engine loop under async scheduling for the
+    whole forward); a push-mode WRITE, which P's writer thread may start on D's
+    registration alone, first waits for the pack's event (:func:`packed_extent`).
+    """
     if not packs or st.layers is None:
         return
     t0 = time.perf_counter()
@@ -277,25 +385,26 @@ def pack_for_requests(worker: Any, st: WorkerStaging, packs: dict[str, dict[str,
             )
         # The scheduler reserved [offset, offset + nbytes) for this request; it frees it.
         pack_request(st.layers, kernel_ids, st.region(order["offset"], order["nbytes"]), st.fmt)
-        if st.push:  # the writer thread WRITEs it once D's registration offers staging
-            st.packed[req_id] = {"offset": int(order["offset"]), "nbytes": int(order["nbytes"])}
         st.stats["packs"] += 1
         st.stats["pack_bytes"] += order["nbytes"]
     if end is not None:
         end.record(stream)
-        # D may READ the extent as soon as P reports the request finished: wait here.
-        end.synchronize()
-    wall = time.perf_counter() - t0
-    device = start.elapsed_time(end) / 1e3 if end is not None else wall
-    st.stats["pack_s"] += device
-    record_stat(worker, STAT_PACK, device)
-    record_stat(worker, STAT_STAGING_USED, st.buffer.allocator.used_bytes)
+    for req_id, order in packs.items():
+        if st.push:  # the writer thread WRITEs it once D's registration offers staging
+            st.packed[req_id] = {"offset": int(order["offset"]), "nbytes": int(order["nbytes"]),
+                                 "ready": end}
     nbytes = sum(o["nbytes"] for o in packs.values())
-    trace("packed", ",".join(packs), bytes=nbytes, device_ms=round(1e3 * device, 3),
-          wall_ms=round(1e3 * wall, 3))
-    _log_transfer(st, "pack", st.stats["packs"],
-                  f"{len(packs)} request(s), {nbytes >> 20} MiB packed in {1e3 * device:.2f} ms "
-                  f"on the device ({1e3 * wall:.2f} ms incl. waiting for the step's forward)")
+    st.packing.append((",".join(packs), nbytes, start, end, t0))
+    st.reap_packs(worker)
+
+
+def packed_extent(st: WorkerStaging, req_id: str) -> dict[str, Any] | None:
+    """P's packed extent of ``req_id`` once its pack has finished on the device (the
+    caller, P's push writer thread, waits for that), or None if it packed none."""
+    packed = st.packed.get(req_id)
+    if packed is not None and packed.get("ready") is not None:
+        packed["ready"].synchronize()
+    return packed
 
 
 def _log_transfer(st: WorkerStaging, what: str, count: float, detail: str) -> None:
@@ -304,7 +413,7 @@ def _log_transfer(st: WorkerStaging, what: str, count: float, detail: str) -> No
     logger.log(level, "kvcached-pd: %s #%d: %s", what, int(count), detail)
 
 
-def reserve_decode_extent(st: WorkerStaging, req_id: str, info: dict[str, Any],
+def reserve_decode_extent(worker: Any, st: WorkerStaging, req_id: str, info: dict[str, Any],
                           already_waiting: bool) -> tuple[Extent | None, str | None]:
     """D's extent for the packed extent ``info`` describes: ``(extent, None)``;
     ``(None, None)`` when it would fit but there is no room now (the caller waits);
@@ -316,24 +425,45 @@ def reserve_decode_extent(st: WorkerStaging, req_id: str, info: dict[str, Any],
     nbytes = int(info["nbytes"])
     extent = st.buffer.alloc(nbytes, req_id)
     if extent is not None:
+        st.decode_usage_changed(worker)
         return extent, None
     if nbytes > st.buffer.allocator.capacity_bytes:
         return None, f"its {nbytes >> 20} MiB exceed the decode staging region"
     if not already_waiting:
+        record_stat(worker, STAT_WAITS, 1)
         logger.info("kvcached-pd: decode staging full (%d MiB used); request %s waits for "
                     "room", st.buffer.allocator.used_bytes >> 20, req_id)
     return None, None
 
 
+def has_local_blocks(meta: Any) -> bool:
+    """Whether D asked for any block of this request.
+
+    vLLM lists no block when D holds the whole prompt in its own prefix cache, and for
+    a request aborted before D scheduled it (``request_finished`` queues it with an
+    empty list so that the worker tells P to free its blocks). Either way vLLM's worker
+    only notifies P: a READ posted for it would be reported as received for a request
+    the scheduler no longer has (vLLM 0.26 then fails ``assert req_id in
+    self.requests``, killing the decode engine).
+    """
+    groups = getattr(meta, "local_block_ids", None) or ()
+    return any(len(group) > 0 for group in groups)
+
+
 def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) -> bool:
-    """Post the coalesced READ for one request; False means "use the direct path".
+    """Post the coalesced READ for one request; False means "vLLM's own path".
 
     When D's staging has no room now but the extent would fit an empty region, the
     request waits (``retry_waiting_reads`` posts it once extents come back) rather than
-    falling back: the direct path from kvcached memory runs at ~0.5 GB/s.
+    falling back: the direct path from kvcached memory runs at ~0.5 GB/s. A request
+    without local blocks is vLLM's (it only notifies P; see :func:`has_local_blocks`).
     """
     info = st.recv_info.get(req_id)
     if info is None or meta.remote is None:
+        return False
+    if not has_local_blocks(meta):
+        st.recv_info.pop(req_id, None)
+        st.waiting.pop(req_id, None)
         return False
     engine_id = meta.remote.engine_id
     peer = st.remote.get(engine_id)
@@ -341,7 +471,7 @@ def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) ->
     if peer is None:
         reason = "the prefill side offered no staging in its handshake"
     else:
-        extent, reason = reserve_decode_extent(st, req_id, info, req_id in st.waiting)
+        extent, reason = reserve_decode_extent(worker, st, req_id, info, req_id in st.waiting)
         if extent is None and reason is None:
             st.waiting[req_id] = meta
             return True
@@ -359,6 +489,7 @@ def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) ->
                                              int(info["offset"]), nbytes, engine_id, notif)
     except Exception as exc:  # noqa: BLE001 - vLLM's own failure path takes over
         st.buffer.free(extent)
+        st.decode_usage_changed(worker)
         logger.error("kvcached-pd: staged READ for %s failed to start: %s", req_id, exc)
         worker._handle_failed_transfer(req_id, None)
         return True
@@ -471,6 +602,7 @@ def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
             # P wrote D's blocks by vLLM's own path (it had no packed extent, or its
             # staged WRITE could not start): the offered extent was never written.
             st.buffer.free(extent)
+            st.decode_usage_changed(worker)
             logger.info("kvcached-pd: request %s arrived by vLLM's push path, not staged",
                         req_id)
             continue
@@ -497,7 +629,6 @@ def finish_staged_reads(worker: Any, st: WorkerStaging, done_recving: set[str],
         st.stats["read_bytes"] += int(info["nbytes"])
         st.stats["handoff_s"] += time.perf_counter() - t0
         record_stat(worker, STAT_HANDOFF, time.perf_counter() - t0)
-        record_stat(worker, STAT_STAGING_USED, st.buffer.allocator.used_bytes)
         _log_transfer(st, "staged handoff", st.stats["reads"],
                       f"{req_id}: {int(info['nbytes']) >> 20} MiB, READ posted to unpack "
                       f"enqueued in {1e3 * (time.perf_counter() - t0):.2f} ms; totals "

@@ -42,6 +42,7 @@ from typing import Any
 from kvcached_pd.transport.staged import (
     STAT_FALLBACKS,
     WorkerStaging,
+    packed_extent,
     post_extent_transfer,
     record_stat,
     reserve_decode_extent,
@@ -88,7 +89,7 @@ def offer_staging(worker: Any, st: WorkerStaging, req_id: str, reg: dict[str, An
     info = st.recv_info.get(req_id)
     if info is None:
         return "direct"  # P packed nothing (no kvcached-pd there, or its staging full)
-    extent, reason = reserve_decode_extent(st, req_id, info, req_id in st.push_waiting)
+    extent, reason = reserve_decode_extent(worker, st, req_id, info, req_id in st.push_waiting)
     if extent is None and reason is None:
         return "wait"
     nbytes = int(info["nbytes"])
@@ -134,7 +135,7 @@ def start_staged_write(worker: Any, st: WorkerStaging, req_id: str, meta: Any) -
     if offer is None:
         return False
     engine_id = meta.remote.engine_id
-    packed = st.packed.get(req_id)
+    packed = packed_extent(st, req_id)  # waits for the pack to finish on the device
     peer = st.remote.get(engine_id)
     reason = None
     if packed is None:

@@ -60,25 +60,32 @@ class Extent:
 
 
 class ExtentAllocator:
-    """Thread-safe first-fit allocator over ``[0, capacity_bytes)``.
+    """Thread-safe first-fit allocator over ``[start, start + capacity_bytes)``.
 
     Every extent starts on a multiple of ``alignment`` and reserves its size rounded up
-    to one, so ``used_bytes + free_bytes == capacity_bytes`` always holds.
+    to one, so ``used_bytes + free_bytes == capacity_bytes`` always holds. Offsets are
+    absolute (``start`` included): a buffer shared by a prefill and a decode role gives
+    each role its own allocator over a disjoint range. A capacity of 0 is a role this
+    instance does not play: every ``alloc`` returns ``None``.
     """
 
-    def __init__(self, capacity_bytes: int, alignment: int = 256) -> None:
+    def __init__(self, capacity_bytes: int, alignment: int = 256, start: int = 0) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
-        if capacity_bytes <= 0 or capacity_bytes % alignment:
+        if capacity_bytes < 0 or capacity_bytes % alignment:
             raise ValueError(
-                f"capacity_bytes must be a positive multiple of {alignment}, got {capacity_bytes}"
+                f"capacity_bytes must be a non-negative multiple of {alignment}, "
+                f"got {capacity_bytes}"
             )
+        if start < 0 or start % alignment:
+            raise ValueError(f"start must be a non-negative multiple of {alignment}, got {start}")
         self._capacity = capacity_bytes
+        self._start = start
         self._alignment = alignment
         self._lock = threading.Lock()
         # Free ranges as parallel offset-sorted lists; neighbours are always coalesced.
-        self._free_starts: list[int] = [0]
-        self._free_ends: list[int] = [capacity_bytes]
+        self._free_starts: list[int] = [start] if capacity_bytes else []
+        self._free_ends: list[int] = [start + capacity_bytes] if capacity_bytes else []
         self._live: dict[int, Extent] = {}
         self._used = 0
         self._tickets = itertools.count()
@@ -90,6 +97,10 @@ class ExtentAllocator:
     @property
     def alignment(self) -> int:
         return self._alignment
+
+    @property
+    def start(self) -> int:
+        return self._start
 
     def _reserved(self, nbytes: int) -> int:
         return -(-nbytes // self._alignment) * self._alignment
@@ -199,15 +210,22 @@ class ExtentAllocator:
 
 
 class StagingBuffer:
-    """One device ``uint8`` buffer of ``capacity_bytes`` plus its extent allocator.
+    """One device ``uint8`` buffer of ``capacity_bytes`` plus the extent allocator of the
+    range ``[alloc_start, alloc_start + alloc_bytes)`` this process hands out itself
+    (default: all of it; a prefill role's range is handed out by its scheduler).
 
     ``tensor`` is what the transport registers with NIXL, once.
     """
 
     def __init__(
-        self, capacity_bytes: int, device: torch.device | str, alignment: int = 256
+        self, capacity_bytes: int, device: torch.device | str, alignment: int = 256,
+        alloc_start: int = 0, alloc_bytes: int | None = None,
     ) -> None:
-        self.allocator = ExtentAllocator(capacity_bytes, alignment)
+        alloc_bytes = capacity_bytes - alloc_start if alloc_bytes is None else alloc_bytes
+        if alloc_start + alloc_bytes > capacity_bytes:
+            raise ValueError(f"allocator range [{alloc_start}, {alloc_start + alloc_bytes}) "
+                             f"exceeds the {capacity_bytes}-byte buffer")
+        self.allocator = ExtentAllocator(alloc_bytes, alignment, start=alloc_start)
         try:
             self.tensor = torch.empty(capacity_bytes, dtype=torch.uint8, device=device)
         except RuntimeError as error:  # torch.OutOfMemoryError is one
