@@ -5,8 +5,11 @@ vLLM's v1 ``Scheduler`` with the NIXL connector (scheduler role) schedules
 output types. It checks that a pack is ordered exactly in the step that completes the
 prompt (also when the prompt is chunked), that the extent reaches ``kv_transfer_params``,
 that it is freed exactly when vLLM frees P's blocks (``finished_sending``), and that
-aborted or non-remote requests return their extents: many aborts leak nothing. Each
-test runs with the pull connector and with the push connector.
+aborted or non-remote requests return their extents: many aborts leak nothing. A full
+staging holds a prefill back (vLLM's scheduler skips it) until room frees, instead of
+sending it by the direct path. Each test runs with the pull connector and with the push
+connector, on vLLM's ``AsyncScheduler`` (vLLM 0.26's default) driven as EngineCore's
+batch queue drives it: step N+1 is scheduled before step N's output is processed.
 """
 
 from __future__ import annotations
@@ -31,23 +34,23 @@ _ids = itertools.count(1)
 def scheduler(kvcached_env, request):
     """vLLM's Scheduler with the pull connector, or the push connector (P's side of
     push mode keeps the same extent bookkeeping)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     from kvcached_pd.patches import get_patch
 
     kvcached_env.setenv("KVCACHED_PD_TRANSPORT", "staged")
-    kvcached_env.setenv("KVCACHED_PD_STAGING_MB", "1")
+    kvcached_env.setenv("KVCACHED_PD_STAGING_MB", "2")  # holds one 2048-token request
     patch = get_patch("staged_transport")
     patch.patch()
     model = vw.write_tiny_llama(tempfile.mkdtemp(), num_layers=2, num_kv_heads=2, head_dim=64)
     config = vw.make_vllm_config(model, block_size=BLOCK, connector=request.param)
     config.scheduler_config.max_num_batched_tokens = 64
-    config.scheduler_config.async_scheduling = False
+    config.scheduler_config.async_scheduling = True
     config.cache_config.enable_prefix_caching = False
     kv_cache_config = vw.kv_cache_config(["l0", "l1"], 200, BLOCK, 2, 64)
     config.cache_config.num_gpu_blocks = 200
-    sched = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
+    sched = AsyncScheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
                       structured_output_manager=StructuredOutputManager(config),
                       block_size=BLOCK)
     yield sched
@@ -82,6 +85,43 @@ def step(sched, finished_sending=()):
     )
     engine_outputs = sched.update_from_output(out, runner_output)
     return out, engine_outputs
+
+
+class BatchQueue:
+    """EngineCore's batch queue with async scheduling: step N+1 is scheduled before
+    step N's output is processed, so aborts and finishes land between the two."""
+
+    def __init__(self, sched):
+        self.sched = sched
+        self.inflight = None  # (scheduler output, sampled token ids per request)
+
+    def _runner_output(self, out, sampled, finished_sending):
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        req_ids = list(out.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[sampled[r] for r in req_ids], logprobs=None,
+            prompt_logprobs_dict={}, pooler_output=None,
+            kv_connector_output=KVConnectorOutput(finished_sending=set(finished_sending))
+            if finished_sending else None)
+
+    def step(self, finished_sending=()):
+        out = self.sched.schedule()
+        # decided at schedule time: does this step complete the request's prompt?
+        sampled = {r: [7] if self.sched.requests[r].num_computed_tokens
+                   >= self.sched.requests[r].num_prompt_tokens else []
+                   for r in out.num_scheduled_tokens}
+        engine_outputs = {}
+        if self.inflight is not None:
+            engine_outputs = self.sched.update_from_output(
+                self.inflight[0], self._runner_output(*self.inflight, finished_sending))
+        elif finished_sending:
+            engine_outputs = self.sched.update_from_output(
+                out, self._runner_output(out, sampled, finished_sending))
+            out, sampled = self.sched.schedule(), {}
+        self.inflight = (out, sampled)
+        return out, engine_outputs
 
 
 def staging(sched):
@@ -139,32 +179,53 @@ def test_trace_follows_the_extent_from_order_to_release(scheduler, caplog, monke
 
 
 def test_many_aborts_leak_nothing(scheduler):
+    """Requests aborted before, during and after their prefill, some held back for room,
+    with one step always in flight: every extent comes back, and only through the
+    paths that free it (removing the release on D's notification makes this fail)."""
     from vllm.v1.request import RequestStatus
 
     st = staging(scheduler)
+    scheduler.max_num_scheduled_tokens = 512  # several prefills per step, long ones chunked
+    queue = BatchQueue(scheduler)
     aborted = 0
+    awaiting_decode: set[str] = set()  # finished on P, extent handed to D
+
+    def step():
+        # D reads and notifies one step after P finished: deliver what is awaited
+        notified = set(awaiting_decode)
+        awaiting_decode.clear()
+        _, engine_outputs = queue.step(finished_sending=notified)
+        done = {rid for rid in ids if finished_params(engine_outputs, rid)}
+        awaiting_decode.update(done)
+        return done
+
+    finished_remote: set[str] = set()
     for round_ in range(30):
-        reqs = [make_request(40 + 7 * i) for i in range(4)]
+        # 2 MiB of staging, 100-1300-token prompts (~0.1-1.3 MiB each): some wait for room
+        reqs = [make_request(100 + 300 * i + 7 * round_) for i in range(4)]
+        ids = [r.request_id for r in reqs]
         for r in reqs:
             scheduler.add_request(r)
-        # some complete their prompt (and finish: max_tokens=1) and get extents, some
-        # are mid-prefill when the abort comes
-        _, engine_outputs = step(scheduler)
-        awaiting_decode = {r.request_id for r in reqs if finished_params(engine_outputs, r.request_id)}
-        victims = [r.request_id for r in reqs
-                   if (round_ % 2 or r is reqs[-1]) and r.request_id not in awaiting_decode]
+        for _ in range(1 + round_ % 3):
+            finished_remote |= step()
+        victims = [r for r in ids if (round_ % 2 or r == ids[-1]) and r not in finished_remote]
         scheduler.finish_requests(victims, RequestStatus.FINISHED_ABORTED)
         aborted += len(victims)
-        while scheduler.get_num_unfinished_requests():
-            _, engine_outputs = step(scheduler)
-            awaiting_decode |= {r.request_id for r in reqs
-                                if finished_params(engine_outputs, r.request_id)}
-        assert not awaiting_decode & set(victims)
-        if awaiting_decode:  # D's notifications, which free P's blocks in vLLM
-            step(scheduler, finished_sending=awaiting_decode)
+        for _ in range(500):  # bounded: a leak would hold the last requests back forever
+            if not (scheduler.get_num_unfinished_requests() or awaiting_decode
+                    or queue.inflight[0].num_scheduled_tokens):
+                break
+            finished_remote |= step()
+        else:
+            pytest.fail(f"round {round_}: requests still held back after 500 steps; staging "
+                        f"holds {sorted(e.owner for e in st.allocator.live_extents())}")
+        assert not finished_remote & set(victims)
     assert aborted >= 30  # mid-prefill and still-waiting requests were aborted
+    assert st.waits > 0  # some prefills were held back for room
+    assert st.fallbacks == 0
     assert st.allocator.num_live == 0 and st.allocator.used_bytes == 0
-    assert st.extents == {} and st.tracked == {}
+    assert st.extents == {} and st.tracked == {} and st.reserved == {} and not st.waiting
+    assert not scheduler.requests
 
 
 def test_local_requests_get_no_staging(scheduler):
@@ -175,15 +236,56 @@ def test_local_requests_get_no_staging(scheduler):
     assert staging(scheduler).allocator.num_live == 0
 
 
-def test_full_staging_falls_back_to_direct(scheduler):
+def test_full_staging_holds_the_prefill_back_until_room_frees(scheduler):
+    """No room in P's staging: vLLM's scheduler skips the request (it is not prefilled
+    and never takes the direct path); once room frees it is prefilled and staged."""
+    st = staging(scheduler)
+    hog = st.allocator.alloc(st.allocator.capacity_bytes - 4096, "hog")
+    other = make_request(30, remote_decode=False)  # a local request is not held back
+    req = make_request(100)
+    scheduler.add_request(req)
+    scheduler.add_request(other)
+    for _ in range(3):
+        out, _ = step(scheduler)
+        assert req.request_id not in out.num_scheduled_tokens
+    assert other.request_id in scheduler.requests and scheduler.requests[other.request_id].num_computed_tokens > 0
+    assert st.waits == 1 and st.fallbacks == 0 and req.request_id in st.waiting
+    st.allocator.free(hog)
+    step(scheduler)
+    _, engine_outputs = step(scheduler)
+    params = finished_params(engine_outputs, req.request_id)
+    assert params is not None and params["kvcached_pd_staged"]["nbytes"] > 0
+    assert st.fallbacks == 0 and not st.waiting
+
+
+def test_abort_of_a_held_back_prefill_forgets_it(scheduler):
+    from vllm.v1.request import RequestStatus
+
     st = staging(scheduler)
     hog = st.allocator.alloc(st.allocator.capacity_bytes - 4096, "hog")
     req = make_request(100)
     scheduler.add_request(req)
     step(scheduler)
-    _, engine_outputs = step(scheduler)
-    params = finished_params(engine_outputs, req.request_id)
-    assert params is not None and "kvcached_pd_staged" not in params
-    assert params["remote_block_ids"]  # vLLM's direct path still offered
-    assert st.fallbacks == 1
+    assert req.request_id in st.waiting
+    scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+    assert not st.waiting and not st.reserved
     st.allocator.free(hog)
+    assert st.allocator.num_live == 0
+
+
+def test_scheduler_samples_reach_vllms_connector_stats(scheduler):
+    """P's staging gauge travels in vLLM's KV-connector stats: the scheduler merges the
+    connector's own stats into the SchedulerStats the API server's Prometheus metrics
+    observe."""
+    req = make_request(100)
+    scheduler.add_request(req)
+    _, engine_outputs = step(scheduler)  # prefill done: the extent is held for D
+    stats = [eco.scheduler_stats.kv_connector_stats for eco in engine_outputs.values()
+             if eco.scheduler_stats is not None]
+    gauge = [v for s in stats if s for v in s.get("kvcached_pd_prefill_staging_bytes", [])]
+    assert gauge and gauge[-1] == staging(scheduler).allocator.used_bytes > 0
+    _, engine_outputs = step(scheduler, finished_sending={req.request_id})
+    stats = [eco.scheduler_stats.kv_connector_stats for eco in engine_outputs.values()
+             if eco.scheduler_stats is not None]
+    gauge = [v for s in stats if s for v in s.get("kvcached_pd_prefill_staging_bytes", [])]
+    assert gauge and gauge[-1] == 0  # back to zero once D's notification freed it
