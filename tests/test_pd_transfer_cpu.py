@@ -181,7 +181,8 @@ def test_staged_handoff_moves_every_prompt_token(staged_env, p_bs, d_bs, num_tok
     p_worker, p_tensors, backend = make_side(p_bs, seed=1)
     d_worker, d_tensors, _ = make_side(d_bs, seed=2)
     meta = handshake(d_worker, p_worker, backend)
-    assert meta.kvcached_pd_staged["nbytes"] == 4 << 20  # staging offered in the handshake
+    # staging offered in the handshake: kv_both holds a prefill and a decode range
+    assert meta.kvcached_pd_staged["nbytes"] == 2 * (4 << 20)
     p_ids = [7, 2, 9, 4, 0][: -(-num_tokens // p_bs)]
     d_ids = [3, 10, 5, 1, 8][: -(-num_tokens // d_bs)]
     untouched = [t[[b for b in range(BUDGET) if b not in d_ids]].clone() for t in d_tensors]
@@ -198,6 +199,9 @@ def test_staged_handoff_moves_every_prompt_token(staged_env, p_bs, d_bs, num_tok
     assert d_worker.xfer_stats.data["num_descriptors"] == [1]
     assert len(d_worker.xfer_stats.data["kvcached_pd_handoff_duration"]) == 1
     assert len(p_worker.xfer_stats.data["kvcached_pd_pack_duration"]) == 1
+    # D's staging gauge: sampled on every change, so it rose and came back to zero
+    gauge = d_worker.xfer_stats.data["kvcached_pd_decode_staging_bytes"]
+    assert max(gauge) >= info["nbytes"] and gauge[-1] == 0
 
 
 @pytest.mark.parametrize("path,p_bs,d_bs,cached", [
@@ -391,17 +395,17 @@ def test_decode_extent_reservation_outcomes(staged_env):
     d_worker, _, _ = make_side(16, seed=37)
     st = worker_staging(d_worker)
     info = staged_order(d_worker, 3, 16, 40)
-    extent, reason = reserve_decode_extent(st, "a", info, False)
+    extent, reason = reserve_decode_extent(d_worker, st, "a", info, False)
     assert extent is not None and reason is None and extent.nbytes >= info["nbytes"]
     other = PackedFormat.for_cache(LAYERS, HEADS + 1, HEAD_DIM, torch.float16).to_dict()
-    extent_b, reason = reserve_decode_extent(st, "b", {**info, "format": other}, False)
+    extent_b, reason = reserve_decode_extent(d_worker, st, "b", {**info, "format": other}, False)
     assert extent_b is None and reason.startswith("packed formats differ")
     huge = {**info, "nbytes": st.buffer.allocator.capacity_bytes + 1}
-    extent_c, reason = reserve_decode_extent(st, "c", huge, False)
+    extent_c, reason = reserve_decode_extent(d_worker, st, "c", huge, False)
     assert extent_c is None and "exceed the decode staging region" in reason
     hog = st.buffer.alloc(st.buffer.allocator.free_bytes, "hog")
     assert hog is not None
-    assert reserve_decode_extent(st, "d", info, False) == (None, None)  # wait for room
+    assert reserve_decode_extent(d_worker, st, "d", info, False) == (None, None)  # wait for room
     st.buffer.free(hog)
     st.buffer.free(extent)
     assert st.buffer.allocator.num_live == 0

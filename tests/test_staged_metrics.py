@@ -30,7 +30,9 @@ def test_series_survive_aggregation_and_reach_prometheus(staged):
         NixlKVConnectorStats, NixlPromMetrics,
     )
 
-    from kvcached_pd.transport.staged import STAT_FALLBACKS, STAT_HANDOFF, STAT_PACK
+    from kvcached_pd.transport.staged import (
+        STAT_D_STAGING, STAT_FALLBACKS, STAT_HANDOFF, STAT_P_STAGING, STAT_PACK, STAT_WAITS,
+    )
 
     worker_a, worker_b = NixlKVConnectorStats(), NixlKVConnectorStats()
     assert worker_a.is_empty()
@@ -38,7 +40,11 @@ def test_series_survive_aggregation_and_reach_prometheus(staged):
     assert not worker_a.is_empty()  # ... is still reported
     worker_b.data[STAT_HANDOFF].extend([0.004, 0.006])
     worker_b.data[STAT_FALLBACKS].append(1)
-    total = NixlKVConnectorStats().aggregate(worker_a).aggregate(worker_b)
+    worker_b.data[STAT_D_STAGING].extend([4096, 12288, 0])  # sampled on every change
+    scheduler = NixlKVConnectorStats()  # P's scheduler samples its own range
+    scheduler.data[STAT_P_STAGING].extend([8192, 4096])
+    scheduler.data[STAT_WAITS].extend([1, 1])
+    total = NixlKVConnectorStats().aggregate(worker_a).aggregate(worker_b).aggregate(scheduler)
     assert total.data[STAT_PACK] == [0.002] and total.data[STAT_HANDOFF] == [0.004, 0.006]
     total.reduce()  # vLLM's CLI summary ignores the extra series without failing
 
@@ -56,6 +62,12 @@ def test_series_survive_aggregation_and_reach_prometheus(staged):
     assert value("vllm:kvcached_pd_pack_seconds_count", {"engine": "0"}) == 1
     assert value("vllm:kvcached_pd_handoff_seconds_sum", {"engine": "0"}) == pytest.approx(0.010)
     assert value("vllm:kvcached_pd_direct_fallbacks_total", {"engine": "0"}) == 1
+    assert value("vllm:kvcached_pd_staging_waits_total", {"engine": "0"}) == 2
+    # occupancy is a gauge holding the latest sample, not a histogram of samples
+    assert value("vllm:kvcached_pd_decode_staging_bytes", {"engine": "0"}) == 0
+    assert value("vllm:kvcached_pd_prefill_staging_bytes", {"engine": "0"}) == 4096
+    metrics.observe({**NixlKVConnectorStats().data, STAT_D_STAGING: [65536]}, engine_idx=0)
+    assert value("vllm:kvcached_pd_decode_staging_bytes", {"engine": "0"}) == 65536
     assert value("vllm:nixl_xfer_time_seconds_count", {"engine": "0"}) == 0  # vLLM's own intact
 
 
