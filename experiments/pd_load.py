@@ -90,7 +90,10 @@ LOAD_PRESETS = {"tiny": {"requests": 64, "concurrency": 16},
                 "kvbig": {"requests": 48, "concurrency": 8}}
 KVBIG_BYTES_PER_TOKEN = 128 * 1024  # at or above this, the kvbig defaults apply
 UCX_FAULT_COMMANDS = "/tmp/ucx-fault-commands"  # the injector's command file (file control)
-_UCX_FAULT_LINE = re.compile(r"(?i)ucx.fault.injector|fault.inject")
+# The injector's own log lines ("UCX fault injector loaded", "[FAULT] INJECTED: ..."), not
+# ld.so's complaint about a library it could not preload (which names the file).
+_UCX_FAULT_LOADED = re.compile(r"UCX fault injector (loaded|initialization)")
+_UCX_FAULT_INJECTED = re.compile(r"\[FAULT\]|INJECTED")
 
 PASS, FAIL, NA, ABSENT = "pass", "fail", "n/a", "absent"
 
@@ -599,8 +602,6 @@ class LoadHarness:
                             for leg in ("prefill", "decode")}
         rep["n_failed"] = sum(not r["ok"] and not r["aborted"] for r in requests)
         checks: dict[str, dict] = {}
-        if kill:
-            checks["survivor"] = self.survivor_check(run)
         # D's success counter covers every completed request once its stats are in
         d_before = before.get("decode")
         t_end = time.monotonic() + 5.0
@@ -610,14 +611,18 @@ class LoadHarness:
             if done is None or done >= rep["n_completed"]:
                 break
             time.sleep(0.1)
+        d_after_load = scrape_metrics(run.base("decode")) \
+            if run.instances["decode"].alive() else None
+        if kill:  # after D's counters are read: the probes make D compute prompts itself
+            checks["survivor"] = self.survivor_check(run)
         window = a.settle_s
-        if kill:
+        if kill or a.ucx_fault_lib:
             window = max(window, a.abort_timeout_s + 15)
         readings = self.settle_staging(run, window)
         after = self.scrape(run)
         checks["outputs"] = check_outputs(requests, self.reference)
         checks["requests"] = check_requests(requests, self.faulty)
-        checks["kv"] = check_kv_loaded(requests, d_before, after.get("decode")) \
+        checks["kv"] = check_kv_loaded(requests, d_before, d_after_load) \
             if run.killed != "decode" else {"status": NA, "detail": "D was killed"}
         alive = {}
         for role, proc in run.instances.items():
@@ -669,17 +674,22 @@ class LoadHarness:
     def fault_evidence(self, run: ModeRun) -> dict:
         """Did the injector load? From the instance logs (it logs to stderr)."""
         roles = ["prefill", "decode"] if self.a.ucx_fault_on == "both" else [self.a.ucx_fault_on]
-        seen = {}
+        loaded, injected = {}, {}
         for role in roles:
+            loaded[role] = injected[role] = 0
             try:
                 with open(run.instances[role].log_path, encoding="utf-8", errors="replace") as f:
-                    seen[role] = sum(1 for line in f if _UCX_FAULT_LINE.search(line))
+                    for line in f:
+                        loaded[role] += bool(_UCX_FAULT_LOADED.search(line))
+                        injected[role] += bool(_UCX_FAULT_INJECTED.search(line))
             except OSError:
-                seen[role] = 0
-        ok = all(seen.values())
-        return {"status": PASS if ok else ABSENT, "log_lines": seen,
-                "detail": "injector lines in the logs: " + ", ".join(
-                    f"{r} {n}" for r, n in seen.items())
+                pass
+        ok = all(loaded.values())
+        return {"status": PASS if ok else ABSENT, "loaded_lines": loaded,
+                "injected_lines": injected,
+                "detail": "injector loaded on " + ", ".join(f"{r}: {'yes' if n else 'NO'}"
+                                                            for r, n in loaded.items())
+                + "; fault lines logged: " + ", ".join(f"{r} {n}" for r, n in injected.items())
                 + ("" if ok else " (fault injection not confirmed)")}
 
     def _kill(self, run: ModeRun, proc: ManagedProcess) -> None:
@@ -784,7 +794,8 @@ class LoadHarness:
             for run in pd_runs:
                 if run.broken:
                     continue
-                window = a.abort_timeout_s + 15 if a.kill and index == a.repeats else a.settle_s
+                window = a.abort_timeout_s + 15 if (a.kill and index == a.repeats) or \
+                    a.ucx_fault_lib else a.settle_s
                 step_s = max(steps) if steps else 30.0
                 if self.deadline.remaining() < a.reserve_s + step_s + window:
                     self.notes.append(f"{run.mode.name}: repeat {index} not run: out of time "
@@ -1047,7 +1058,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kill-at-s", type=float, default=None, help="seconds into that load")
     ap.add_argument("--abort-timeout-s", type=float, default=None,
                     help="VLLM_NIXL_ABORT_REQUEST_TIMEOUT on PD instances (default: 20 with "
-                         "--kill, else vLLM's own, 480)")
+                         "--kill or --ucx-fault-lib, else vLLM's own, 480)")
     ap.add_argument("--settle-s", type=float, default=10.0,
                     help="how long staging may take to drain once the requests are done")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
@@ -1072,6 +1083,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="command that runs `vllm serve` (default: $KVPD_VLLM_CMD, else this "
                          "python -m vllm.entrypoints.cli.main serve)")
     ap.add_argument("--extra-serve-args", default="")
+    ap.add_argument("--environment", action=argparse.BooleanOptionalAction, default=True,
+                    help="write environment.json (versions, GPUs; importing vLLM takes seconds)")
     ap.add_argument("--port-base", type=int, default=HTTP_PORT_BASE + 400)
     ap.add_argument("--side-channel-port-base", type=int, default=SIDE_CHANNEL_PORT_BASE + 400)
     ap.add_argument("--proxy-port-base", type=int, default=PROXY_PORT_BASE + 400)
@@ -1106,8 +1119,8 @@ def validate(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.ucx_fault_lib and (not set(a.ucx_fault_pattern) <= {"X", "O"}
                             or "X" not in a.ucx_fault_pattern):
         ap.error("--ucx-fault-pattern: only X (fail) and O (pass), at least one X")
-    if a.abort_timeout_s is None:
-        a.abort_timeout_s = 20.0 if a.kill else 0.0
+    if a.abort_timeout_s is None:  # a dead peer or a failed READ: P frees at the timeout
+        a.abort_timeout_s = 20.0 if a.kill or a.ucx_fault_lib else 0.0
     if a.repeats < 1:
         ap.error("--repeats must be >= 1")
     kv_per_token = kv_bytes_per_token(a.model)
@@ -1142,7 +1155,8 @@ def main(argv=None) -> int:
     log(f"pd_load: modes {', '.join(a.modes)} + reference on {a.model}; {a.requests} requests, "
         f"{a.concurrency} at a time, {a.repeats} repeat(s); "
         f"aborts: {h.aborts.describe() if h.aborts else 'none'} -> {h.out}")
-    env_thread = describe_environment(os.path.join(h.out, "environment.json"))
+    env_thread = describe_environment(os.path.join(h.out, "environment.json")) \
+        if a.environment else None
     try:
         h.run()
     except KeyboardInterrupt:
@@ -1150,7 +1164,8 @@ def main(argv=None) -> int:
         log("interrupted: writing what was measured")
     finally:
         stop_all([p for r in h.runs.values() for p in r.procs()])
-    env_thread.join(timeout=30)
+    if env_thread is not None:
+        env_thread.join(timeout=30)
     doc = h.write()
     if a.trace:
         try:

@@ -70,13 +70,13 @@ class ClientGone(Exception):
     """The client closed its connection: the request is abandoned."""
 
 
-def _shutdown(conn: http.client.HTTPConnection) -> None:
+def _shutdown(conn: http.client.HTTPConnection, how: int = socket.SHUT_RDWR) -> None:
     """Send FIN now, whoever else still holds the socket (the response's file object
     keeps the descriptor open after conn.close())."""
     sock = getattr(conn, "sock", None)
     if sock is not None:
         try:
-            sock.shutdown(socket.SHUT_RDWR)
+            sock.shutdown(how)
         except OSError:
             pass
 
@@ -86,8 +86,11 @@ class ClientWatch:
 
     The client has sent its whole request and only waits, so its socket becoming
     readable with nothing to read (EOF) or an error means it went away. Then every
-    upstream connection attached so far is shut down: vLLM notices the disconnect and
-    aborts that request. Polls every 20 ms: an abort reaches vLLM within ~20 ms.
+    upstream connection attached so far is half-closed (FIN, SHUT_WR): vLLM's server
+    takes that as a disconnect and aborts the request, while an answer P had already
+    sent can still be read, so its KV is handed to D rather than stranded on P (a full
+    shutdown discarded such answers: the fake's staging gauge caught it). Polls every
+    20 ms: an abort reaches vLLM within ~20 ms.
     """
 
     POLL_S = 0.02
@@ -130,7 +133,7 @@ class ClientWatch:
             self.gone.set()
             conns = list(self._upstream)
         for conn in conns:
-            _shutdown(conn)
+            _shutdown(conn, socket.SHUT_WR)
 
     def attach(self, conn: http.client.HTTPConnection, leg: str) -> bool:
         """Register a connected upstream connection. Returns False when the client has
@@ -214,11 +217,11 @@ class PDProxy:
         conn = self.prefill.connect()
         try:
             if watch is not None:
-                watch.check()
-                conn.connect()
-                if not watch.attach(conn, "prefill"):
-                    raise ClientGone("prefill")
+                watch.check()  # gone before P saw anything: nothing to abort
             conn.request("POST", path, json.dumps(build_prefill_request(request)).encode(), headers)
+            # Watched only once P has the request: a cut must never leave it half-sent.
+            if watch is not None and not watch.attach(conn, "prefill"):
+                _shutdown(conn, socket.SHUT_WR)  # P gets the request and the disconnect
             resp = conn.getresponse()
             data = resp.read()
         except (OSError, http.client.HTTPException) as exc:
@@ -374,9 +377,6 @@ class Handler(BaseHTTPRequestHandler):
             decode_conn.connect()
         except OSError as exc:
             raise ProxyError(502, f"decode leg: {type(exc).__name__}: {exc}", "decode") from exc
-        if self.watch is not None and not self.watch.attach(decode_conn, "prefill"):
-            _shutdown(decode_conn)  # both legs are upstream at once
-            raise ClientGone("prefill")
         outcome: dict = {}
 
         def prefill_thread():
@@ -405,27 +405,7 @@ class Handler(BaseHTTPRequestHandler):
         stream = bool(decode_request.get("stream"))
         t_dec = time.perf_counter()
         watch = self.watch
-        if conn is None:
-            conn = p.decode.connect()
-            if watch is not None:
-                try:
-                    conn.connect()
-                except OSError as exc:
-                    raise ProxyError(502, f"decode leg: {type(exc).__name__}: {exc}",
-                                     "decode") from exc
-                if not watch.attach(conn, "decode"):
-                    # The client left after P answered. P now holds the prompt's KV for
-                    # D; without a decode leg it would keep it until vLLM's abort timeout
-                    # (VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s by default). Hand D the
-                    # request and cut it at once: D aborts it and tells P to free.
-                    try:
-                        conn.request("POST", path, json.dumps(decode_request).encode(),
-                                     headers)
-                    except OSError:
-                        pass
-                    _shutdown(conn)
-                    conn.close()
-                    raise ClientGone("prefill")
+        conn = conn or p.decode.connect()
 
         def prefill_error() -> ProxyError | None:
             if prefill_thread is None:
@@ -435,6 +415,14 @@ class Handler(BaseHTTPRequestHandler):
 
         try:
             conn.request("POST", path, json.dumps(decode_request).encode(), headers)
+            if watch is not None and not watch.attach(conn, "decode"):
+                # The client left before D had the request, maybe right after P
+                # answered. P then holds the prompt's KV for D; without a decode leg it
+                # would keep it until vLLM's abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT,
+                # 480 s by default). D gets the request and the disconnect at once: it
+                # aborts the request and tells P to free.
+                _shutdown(conn, socket.SHUT_WR)
+                raise ClientGone("decode")
             resp = conn.getresponse()
             if stream and resp.status == 200:
                 err = prefill_error()

@@ -31,6 +31,11 @@ export kvcached-pd's staging gauges: P holds a prompt's bytes from its prefill u
 fetched them (or VLLM_NIXL_ABORT_REQUEST_TIMEOUT passed), D while it fetches;
 FAKE_VLLM_STAGING_LEAK=1 makes P never release. The fallback counter is exported (always
 0); the staging-wait counter is not (to exercise "absent").
+
+UCX fault injection, emulated: with UCX_FAULT_ENABLED=1 and an LD_PRELOAD naming
+"fake_ucx_fault", the instance logs the injector's start line and a decode instance fails
+the KV fetches that UCX_FAULT_PATTERN marks X (a failed transfer: the request fails,
+vllm:nixl_num_failed_transfers grows, the server lives on).
 """
 
 from __future__ import annotations
@@ -100,6 +105,11 @@ class State:
                        and os.environ.get("KVCACHED_PD_TRANSPORT") == "staged")
         self.counter = 0
         self.aborts = 0
+        self.fetches = 0
+        self.failed_xfers = 0
+        self.fault_pattern = os.environ.get("UCX_FAULT_PATTERN", "") if (
+            os.environ.get("UCX_FAULT_ENABLED") == "1"
+            and "fake_ucx_fault" in os.environ.get("LD_PRELOAD", "")) else ""
         self.held: dict[str, tuple[int, float]] = {}  # P: rid -> (staged bytes, since)
         self.alias: dict[str, str] = {}  # P: the proxy's X-Request-Id -> rid (push)
         self.d_staging = 0  # D: bytes of fetches in flight
@@ -151,7 +161,7 @@ def metrics_text(st: State) -> str:
             f"vllm:nixl_xfer_time_seconds_count{{{lbl}}} {c['xfer_count']}",
             f"vllm:nixl_bytes_transferred_sum{{{lbl}}} {c['bytes_sum']}",
             f"vllm:nixl_num_descriptors_sum{{{lbl}}} {c['descs_sum']}",
-            f"vllm:nixl_num_failed_transfers_total{{{lbl}}} 0.0",
+            f"vllm:nixl_num_failed_transfers_total{{{lbl}}} {float(st.failed_xfers)}",
         ]
     if st.kv_config and st.staged:
         lines += [
@@ -237,6 +247,17 @@ def make_handler(st: State):
                 nbytes = len(prompt_ids) * 32768 if st.staged else 0
                 with st.lock:
                     st.d_staging += nbytes
+                with st.lock:
+                    st.fetches += 1
+                    fault = bool(st.fault_pattern) and \
+                        st.fault_pattern[(st.fetches - 1) % len(st.fault_pattern)] == "X"
+                    if fault:
+                        st.failed_xfers += 1
+                        st.d_staging -= nbytes
+                if fault:
+                    print("[FAULT] INJECTED: ucp_get_nbx (fake)", flush=True)
+                    self._send(500, {"error": "KV load failed: injected UCX fault"})
+                    return
                 try:
                     kv = fetch_kv(url, wait_s=10.0 if "remote_block_ids" not in kvp else 0.0)
                 except Exception as exc:  # kv_load_failure_policy=fail
@@ -363,6 +384,9 @@ def main():
     ap.add_argument("--kv-transfer-config", default=None)
     args, _unknown = ap.parse_known_args()
     print(f"fake vllm serve {args.model} port={args.port} pid={os.getpid()}", flush=True)
+    if os.environ.get("UCX_FAULT_ENABLED") == "1" and \
+            "fake_ucx_fault" in os.environ.get("LD_PRELOAD", ""):
+        print("INFO UCX fault injector loaded (fake)", flush=True)
     if os.environ.get("FAKE_VLLM_EXIT_AT_START"):
         print("fake: simulated crash during startup", flush=True)
         sys.exit(3)
