@@ -127,7 +127,8 @@ class AbortPlan:
             legs.append(f"P leg after {self.prefill_ms:g} ms")
         if self.decode_ms is not None:
             legs.append(f"D leg after {self.decode_ms:g} ms")
-        return f"every {self.every}th request: drop " + " / ".join(legs)
+        k = self.every
+        return f"requests {k}, {2 * k}, {3 * k}, ...: drop " + " / ".join(legs)
 
 
 def completion_body(model: str, prompt: str, max_tokens: int) -> dict:
@@ -218,6 +219,8 @@ def stream_completion(url: str, body: dict, timeout: float, abort_p_ms: float | 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: "):])
+            if event.get("error"):  # vLLM reports a failure mid-stream as an error event
+                out["error"] = f"error event: {json.dumps(event['error'])[:500]}"
             if event.get("usage"):
                 out["prompt_tokens"] = event["usage"].get("prompt_tokens")
                 out["completion_tokens"] = event["usage"].get("completion_tokens")
@@ -230,7 +233,7 @@ def stream_completion(url: str, body: dict, timeout: float, abort_p_ms: float | 
                 if choice.get("finish_reason"):
                     out["finish_reason"] = choice["finish_reason"]
         out["text"] = "".join(text)
-        if out["aborted"] is None:
+        if out["aborted"] is None and out["error"] is None:
             want = body["max_tokens"]
             if out["finish_reason"] not in ("length", "stop"):
                 out["error"] = f"stream ended without a finish reason ({len(out['token_ids'])} " \
@@ -827,6 +830,18 @@ class LoadHarness:
                    for name, c in rep["checks"].items() if c["status"] in (FAIL, ABSENT)]
         if run.ttft and run.ttft["outputs"]["status"] in (FAIL, ABSENT):
             reasons.append(f"TTFT batch: {run.ttft['outputs']['detail']}")
+        # kvcached-pd ran exactly where the mode says (from each instance's log)
+        evidence = {role: kvcached_pd_evidence(p.log_path) for role, p in run.instances.items()}
+        wrong = []
+        for role, ev in evidence.items():
+            expected = run.ports.get(role, {}).get("kvcached_pd_expected", False)
+            if not expected and ev["applied"]:
+                wrong.append(f"kvcached-pd patched {role} although KVCACHED_PD=0: {ev['applied']}")
+            if expected and ev["failed"]:
+                wrong.append(f"kvcached-pd patches failed on {role}: {ev['failed']}")
+        if reps:
+            checks_seen["activation"] = [FAIL if wrong else PASS]
+            reasons.extend(wrong)
         if run.infra_error:
             verdict = "FAIL"
             reasons.insert(0, run.infra_error)
@@ -867,8 +882,7 @@ class LoadHarness:
             "nixl_failed_transfers": total("nixl_failed_transfers"),
             "latency": latency_stats(pooled),
             "ttft_batch": run.ttft["latency"] if run.ttft else None,
-            "kvcached_pd": {role: kvcached_pd_evidence(p.log_path)
-                            for role, p in run.instances.items()},
+            "kvcached_pd": evidence,
         }
 
     def write(self) -> dict:

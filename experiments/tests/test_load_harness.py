@@ -194,6 +194,7 @@ def test_load_with_aborts_passes_and_reports_everything(tmp_path):
         assert m["verdict"] == "PASS" and m["repeats_run"] == 2, m["reasons"]
         assert m["sent"] == 36 and m["aborted"] >= 6 and m["completed"] == m["sent"] - m["aborted"]
         assert m["checks"]["outputs"] == ["pass"] and m["checks"]["kv"] == ["pass"]
+        assert m["checks"]["activation"] == ["pass"]
         assert m["latency"]["e2e_p50_ms"] > 0 and m["latency"]["prefill_p90_ms"] > 0
         assert m["ttft_batch"]["n"] == 2
     assert modes["vanilla"]["checks"]["staging"] == ["n/a"]
@@ -206,7 +207,8 @@ def test_load_with_aborts_passes_and_reports_everything(tmp_path):
     assert sum(sum(r["proxy_client_gone"].values()) for r in reps) >= 6  # aborts propagated
     assert sum(r["counters"]["aborted_requests"]["prefill"] for r in reps) >= 1
     text = (out / "summary.txt").read_text()
-    assert "every 3th request" in text and "x vanilla" in text
+    assert "requests 3, 6, 9, ...: drop P leg after 15 ms / D leg after 10 ms" in text
+    assert "x vanilla" in text
     assert (out / "latency.csv").read_text().count("\n") >= 1 + 3 * 2 + 1
 
 
@@ -292,3 +294,12 @@ def test_fault_injection_that_never_loaded_is_unproven(tmp_path):
     assert res.returncode == 2
     assert summary["overall"] == "UNPROVEN"
     assert summary["modes"]["kvpd-staged"]["checks"]["fault_injected"] == ["absent"]
+
+
+def test_kvcached_pd_where_the_mode_has_none_fails_it(tmp_path):
+    res, summary, _ = _run_load(tmp_path, "--modes", "vanilla",
+                                env_extra={"FAKE_VLLM_PD_ALWAYS": "1"})
+    assert res.returncode == 1
+    van = summary["modes"]["vanilla"]
+    assert van["checks"]["activation"] == ["fail"]
+    assert any("although KVCACHED_PD=0" in r for r in van["reasons"])
