@@ -276,7 +276,10 @@ def run_load(url: str, model: str, prompts: list[Prompt], max_tokens: int, concu
 # --------------------------------------------------------------------------------------
 
 
-def check_outputs(requests: list[dict], reference: dict[str, list[int]]) -> dict:
+def check_outputs(requests: list[dict], reference: dict[str, list[int]],
+                  faults: bool = False) -> dict:
+    """``faults``: a peer was killed or transfers made to fail, so none completing is
+    possible; then nothing could be compared (absent), which is no pass either."""
     done = [r for r in requests if r["ok"]]
     differ, missing = [], []
     for r in done:
@@ -288,7 +291,8 @@ def check_outputs(requests: list[dict], reference: dict[str, list[int]]) -> dict
                          min(len(r["token_ids"]), len(ref)))
             differ.append({"name": r["name"], "first_diff_index": first})
     if not done:
-        status, why = FAIL, "no request completed"
+        status, why = (ABSENT, "no request completed: nothing to compare") if faults else \
+            (FAIL, "no request completed")
     elif differ:
         status, why = FAIL, f"{len(differ)} of {len(done)} completed outputs differ from the " \
             "reference (first: " + ", ".join(f"{d['name']} at token {d['first_diff_index']}"
@@ -623,7 +627,7 @@ class LoadHarness:
             window = max(window, a.abort_timeout_s + 15)
         readings = self.settle_staging(run, window)
         after = self.scrape(run)
-        checks["outputs"] = check_outputs(requests, self.reference)
+        checks["outputs"] = check_outputs(requests, self.reference, self.faulty)
         checks["requests"] = check_requests(requests, self.faulty)
         checks["kv"] = check_kv_loaded(requests, d_before, d_after_load) \
             if run.killed != "decode" else {"status": NA, "detail": "D was killed"}
@@ -973,7 +977,8 @@ def render_summary(doc: dict) -> str:
             "absent" if "absent" in r["checks"].get("staging", []) else
             ("-" if r["staging_left_bytes"] is None else f"{r['staging_left_bytes']:.0f}B"))
         checks = ",".join(f"{k}:{'/'.join(v)}" for k, v in r["checks"].items())
-        lines.append(f"{name:<14} {r['verdict']:<9} {str(r['completed']) + '/' + str(r['sent']):>10} "
+        done = f"{r['completed']}/{r['sent']}"
+        lines.append(f"{name:<14} {r['verdict']:<9} {done:>10} "
                      f"{r['aborted']:>5} {r['failed']:>4} {r['different']:>4} {r['deaths']:>4} "
                      f"{staging:>8} {pair(r['direct_fallbacks']):>10} "
                      f"{pair(r['staging_waits']):>9} {_f(r['nixl_failed_transfers'], 0):>5}  "
