@@ -267,8 +267,13 @@ def run_load(url: str, model: str, prompts: list[Prompt], max_tokens: int, concu
 
     if on_start:
         on_start()
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+    # no `with`: on an interrupt (SIGTERM from traffic.sh's timeout) the servers must be
+    # stopped at once, not after every in-flight request has timed out
+    pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
+    try:
         return list(pool.map(one, range(len(prompts))))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------------------
