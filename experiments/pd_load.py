@@ -43,6 +43,9 @@ Latency per mode over completed requests, p50 and p90: end to end, time to first
 (first streamed token), P leg and D leg (the proxy's X-PD-Prefill-Seconds header and its
 closing timing line), with ratios against vanilla PD.
 
+The streaming client with its aborts is load_client.py; the checks, pure functions of
+what a repeat measured, are load_checks.py.
+
 Writes under --out: summary.txt, summary.json (re-written after every repeat, so a run
 cut short still leaves its results), latency.csv, modes/<mode>.json (every request),
 logs/, environment.json; with --trace, timeline.txt. Exit status 0 only when every mode
@@ -56,23 +59,23 @@ from __future__ import annotations
 
 import argparse
 import csv
-import http.client
 import json
 import os
 import re
 import shlex
 import signal
-import socket
 import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pd_common import (M, Deadline, MetricSnapshot, Prompt, _split_url, get, load_prompts, log,
-                       make_prompt_text, metric_delta, percentile, post_json, scrape_metrics,
-                       write_json)
+from load_checks import (ABSENT, FAIL, NA, PASS, check_alive, check_kv_loaded, check_outputs,
+                         check_requests, check_staging, latency_stats, ms, staging_expected,
+                         verdict_of)
+from load_client import AbortPlan, completion_body, run_load, stream_completion
+from pd_common import (M, Deadline, MetricSnapshot, Prompt, get, load_prompts, log,
+                       make_prompt_text, metric_delta, post_json, scrape_metrics, write_json)
 from pd_modes import (KVCACHED_LAYOUTS, LOAD_DEFAULT_MODES, LOAD_FLAVOURS, Mode,
                       kv_transfer_config, load_modes)
 from pd_proxy import PREFILL_KV_PARAMS
@@ -95,319 +98,6 @@ UCX_FAULT_COMMANDS = "/tmp/ucx-fault-commands"  # the injector's command file (f
 _UCX_FAULT_LOADED = re.compile(r"UCX fault injector (loaded|initialization)")
 _UCX_FAULT_INJECTED = re.compile(r"\[FAULT\]|INJECTED")
 
-PASS, FAIL, NA, ABSENT = "pass", "fail", "n/a", "absent"
-
-
-# --------------------------------------------------------------------------------------
-# The streaming client, with aborts
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AbortPlan:
-    """Which requests the client drops, and when.
-
-    Request i (0-based) is dropped when (i + 1) % every == 0: during its prefill leg when
-    no answer has come ``prefill_ms`` after sending (the proxy answers only once D's
-    stream starts), and/or ``decode_ms`` after the answer's headers (D's stream). A
-    request that finishes first is simply completed."""
-
-    every: int
-    prefill_ms: float | None = None
-    decode_ms: float | None = None
-
-    def for_index(self, i: int) -> tuple[float | None, float | None] | None:
-        if self.every <= 0 or (i + 1) % self.every:
-            return None
-        return self.prefill_ms, self.decode_ms
-
-    def describe(self) -> str:
-        legs = []
-        if self.prefill_ms is not None:
-            legs.append(f"P leg after {self.prefill_ms:g} ms")
-        if self.decode_ms is not None:
-            legs.append(f"D leg after {self.decode_ms:g} ms")
-        k = self.every
-        return f"requests {k}, {2 * k}, {3 * k}, ...: drop " + " / ".join(legs)
-
-
-def completion_body(model: str, prompt: str, max_tokens: int) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-
-
-def _drop(conn: http.client.HTTPConnection, sock: socket.socket) -> None:
-    """What a client that goes away does: FIN now (the response object may still hold
-    the socket), then close."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    conn.close()
-
-
-def stream_completion(url: str, body: dict, timeout: float, abort_p_ms: float | None = None,
-                      abort_d_ms: float | None = None, request_id: str | None = None) -> dict:
-    """One streamed completion; returns its token ids, timings and how it ended.
-
-    ``aborted`` is "prefill" or "decode" when the client dropped it, ``ok`` True only for
-    a request that finished with all its tokens."""
-    host, port, path = _split_url(url.rstrip("/") + "/v1/completions")
-    out: dict = {"ok": False, "aborted": None, "status": 0, "error": None, "token_ids": [],
-                 "prompt_tokens": None, "completion_tokens": None, "finish_reason": None,
-                 "e2e_s": None, "ttft_s": None, "headers_s": None, "prefill_s": None,
-                 "decode_s": None, "started_at": time.time()}
-    t0 = time.perf_counter()
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.connect()
-        sock = conn.sock  # http.client may drop conn.sock once the response is open
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        headers = {"Content-Type": "application/json",
-                   "X-Request-Id": request_id or uuid.uuid4().hex}
-        conn.request("POST", path, json.dumps(body).encode(), headers)
-        if abort_p_ms is not None:
-            sock.settimeout(max(0.001, abort_p_ms / 1000 - (time.perf_counter() - t0)))
-        try:
-            resp = conn.getresponse()
-        except TimeoutError:
-            out["aborted"] = "prefill"
-            _drop(conn, sock)
-            out["e2e_s"] = time.perf_counter() - t0
-            return out
-        t_headers = time.perf_counter()
-        out["headers_s"] = t_headers - t0
-        out["status"] = resp.status
-        if resp.getheader("X-PD-Prefill-Seconds"):
-            out["prefill_s"] = float(resp.getheader("X-PD-Prefill-Seconds"))
-        if resp.status != 200:
-            sock.settimeout(timeout)
-            out["error"] = f"HTTP {resp.status}: " + resp.read()[:1500].decode("utf-8", "replace")
-            return out
-        d_deadline = t_headers + abort_d_ms / 1000 if abort_d_ms is not None else None
-        text = []
-        while True:
-            if d_deadline is not None:
-                left = d_deadline - time.perf_counter()
-                if left <= 0:
-                    out["aborted"] = "decode"
-                    _drop(conn, sock)
-                    break
-                sock.settimeout(min(left, timeout))
-            else:
-                sock.settimeout(timeout)
-            try:
-                line = resp.readline()
-            except TimeoutError:
-                if d_deadline is not None and time.perf_counter() >= d_deadline:
-                    out["aborted"] = "decode"
-                    _drop(conn, sock)
-                    break
-                raise
-            if not line:
-                break
-            line = line.decode("utf-8", "replace").strip()
-            if line.startswith(": pd_proxy "):
-                try:
-                    timing = json.loads(line[len(": pd_proxy "):])
-                    out["decode_s"] = timing.get("decode_s")
-                    out["prefill_s"] = timing.get("prefill_s", out["prefill_s"])
-                except ValueError:
-                    pass
-                continue
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if event.get("error"):  # vLLM reports a failure mid-stream as an error event
-                out["error"] = f"error event: {json.dumps(event['error'])[:500]}"
-            if event.get("usage"):
-                out["prompt_tokens"] = event["usage"].get("prompt_tokens")
-                out["completion_tokens"] = event["usage"].get("completion_tokens")
-            for choice in event.get("choices") or []:
-                ids = choice.get("token_ids") or []
-                if (ids or choice.get("text")) and out["ttft_s"] is None:
-                    out["ttft_s"] = time.perf_counter() - t0
-                out["token_ids"].extend(ids)
-                text.append(choice.get("text") or "")
-                if choice.get("finish_reason"):
-                    out["finish_reason"] = choice["finish_reason"]
-        out["text"] = "".join(text)
-        if out["aborted"] is None and out["error"] is None:
-            want = body["max_tokens"]
-            if out["finish_reason"] not in ("length", "stop"):
-                out["error"] = f"stream ended without a finish reason ({len(out['token_ids'])} " \
-                               "tokens)"
-            elif len(out["token_ids"]) != want:
-                out["error"] = f"{len(out['token_ids'])} token ids streamed, {want} asked"
-            else:
-                out["ok"] = True
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        out["e2e_s"] = out["e2e_s"] or time.perf_counter() - t0
-        conn.close()
-    return out
-
-
-def run_load(url: str, model: str, prompts: list[Prompt], max_tokens: int, concurrency: int,
-             timeout: float, aborts: AbortPlan | None = None,
-             on_start=None) -> list[dict]:
-    """Every prompt once, ``concurrency`` in flight, in prompt order; outcomes in that order."""
-
-    def one(i: int) -> dict:
-        prompt = prompts[i]
-        plan = aborts.for_index(i) if aborts else None
-        p_ms, d_ms = plan if plan else (None, None)
-        res = stream_completion(url, completion_body(model, prompt.text, max_tokens), timeout,
-                                p_ms, d_ms, request_id=f"load-{uuid.uuid4().hex[:12]}-{i}")
-        res.update(name=prompt.name, index=i, intended_prompt_tokens=prompt.num_tokens,
-                   abort_planned=plan is not None)
-        return res
-
-    if on_start:
-        on_start()
-    # no `with`: on an interrupt (SIGTERM from traffic.sh's timeout) the servers must be
-    # stopped at once, not after every in-flight request has timed out
-    pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
-    try:
-        return list(pool.map(one, range(len(prompts))))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-# --------------------------------------------------------------------------------------
-# Checks (pure functions of what was measured, so the offline tests can reach each)
-# --------------------------------------------------------------------------------------
-
-
-def check_outputs(requests: list[dict], reference: dict[str, list[int]],
-                  faults: bool = False) -> dict:
-    """``faults``: a peer was killed or transfers made to fail, so none completing is
-    possible; then nothing could be compared (absent), which is no pass either."""
-    done = [r for r in requests if r["ok"]]
-    differ, missing = [], []
-    for r in done:
-        ref = reference.get(r["name"])
-        if ref is None:
-            missing.append(r["name"])
-        elif r["token_ids"] != ref:
-            first = next((i for i, (a, b) in enumerate(zip(r["token_ids"], ref)) if a != b),
-                         min(len(r["token_ids"]), len(ref)))
-            differ.append({"name": r["name"], "first_diff_index": first})
-    if not done:
-        status, why = (ABSENT, "no request completed: nothing to compare") if faults else \
-            (FAIL, "no request completed")
-    elif differ:
-        status, why = FAIL, f"{len(differ)} of {len(done)} completed outputs differ from the " \
-            "reference (first: " + ", ".join(f"{d['name']} at token {d['first_diff_index']}"
-                                             for d in differ[:4]) + ")"
-    elif missing:
-        status, why = ABSENT, f"the reference has no output for {len(missing)} completed prompts"
-    else:
-        status, why = PASS, f"{len(done)} completed outputs identical to the reference"
-    return {"status": status, "detail": why, "n_compared": len(done) - len(missing),
-            "n_different": len(differ), "different": differ, "missing": missing}
-
-
-def check_requests(requests: list[dict], failures_expected: bool) -> dict:
-    failed = [r for r in requests if not r["ok"] and not r["aborted"]]
-    detail = f"{len(failed)} requests failed that the client did not drop"
-    if failed:
-        detail += ": " + " | ".join(f"{r['name']}: {(r['error'] or '')[:160]}" for r in failed[:3])
-    if failures_expected:
-        return {"status": NA, "detail": detail + " (faults injected: not checked)",
-                "n_failed": len(failed)}
-    return {"status": FAIL if failed else PASS, "detail": detail, "n_failed": len(failed)}
-
-
-def check_kv_loaded(requests: list[dict], before: MetricSnapshot | None,
-                    after: MetricSnapshot | None) -> dict:
-    """D's counters prove it loaded the completed requests' KV (see the module doc)."""
-    done = [r for r in requests if r["ok"]]
-    sent = len(requests)
-    tokens = sum(r["prompt_tokens"] or r["intended_prompt_tokens"] for r in done)
-    hits = metric_delta(before, after, M.EXT_HITS)
-    local = metric_delta(before, after, M.PROMPT_BY_SOURCE, source="local_compute")
-    out = {"d_external_prefix_cache_hits": hits, "d_local_compute_tokens": local,
-           "completed_prompt_tokens": tokens}
-    if after is None or hits is None:
-        return {**out, "status": ABSENT, "detail": f"D exports no {M.EXT_HITS}"}
-    problems = []
-    if hits < tokens - len(done):
-        problems.append(f"D's external prefix cache hits grew by {hits:.0f}, at least "
-                        f"{tokens - len(done)} expected: D did not load the KV")
-    if local is not None and local > sent:
-        problems.append(f"D computed {local:.0f} prompt tokens locally, at most {sent} expected "
-                        "(one per request): D recomputed prompts")
-    if problems:
-        return {**out, "status": FAIL, "detail": "; ".join(problems)}
-    return {**out, "status": PASS, "detail": f"D loaded {hits:.0f} prompt tokens from P"}
-
-
-def staging_expected(env: dict[str, str]) -> bool:
-    return env.get("KVCACHED_PD") == "1" and env.get("KVCACHED_PD_TRANSPORT") == "staged"
-
-
-def check_staging(readings: dict[str, dict]) -> dict:
-    """``readings``: role -> {"expected": bool, "bytes": float | None, "settle_s": float}."""
-    parts, status = [], NA
-    rank = {NA: 0, PASS: 1, ABSENT: 2, FAIL: 3}
-    for role, r in readings.items():
-        if not r["expected"]:
-            continue
-        if r["bytes"] is None:
-            s, txt = ABSENT, f"{role}: gauge absent"
-        elif r["bytes"] != 0:
-            s, txt = FAIL, f"{role}: {r['bytes']:.0f} bytes still staged after " \
-                f"{r['settle_s']:.1f}s"
-        else:
-            s, txt = PASS, f"{role}: 0 after {r['settle_s']:.1f}s"
-        parts.append(txt)
-        status = s if rank[s] > rank[status] else status
-    return {"status": status, "detail": "; ".join(parts) or "not a staged mode",
-            "readings": readings}
-
-
-def check_alive(roles: dict[str, dict]) -> dict:
-    """``roles``: role -> {"alive": bool, "health": int, "killed": bool, "tail": str}."""
-    dead, problems = [], []
-    for role, r in roles.items():
-        up = r["alive"] and r["health"] == 200
-        if r.get("killed"):
-            if r["alive"]:
-                problems.append(f"{role} was to be killed but is still running")
-            continue
-        if not up:
-            dead.append(role)
-            problems.append(f"{role} is dead (process {'alive' if r['alive'] else 'exited'}, "
-                            f"/health {r['health'] or 'no answer'})")
-    return {"status": FAIL if problems else PASS, "dead": dead,
-            "detail": "; ".join(problems) or "every server alive, /health 200",
-            "log_tails": {role: roles[role].get("tail", "") for role in dead}}
-
-
-def verdict_of(checks: dict[str, dict]) -> str:
-    states = [c["status"] for c in checks.values()]
-    if FAIL in states:
-        return "FAIL"
-    if ABSENT in states:
-        return "UNPROVEN"
-    return "PASS"
-
-
-def latency_stats(requests: list[dict]) -> dict:
-    done = [r for r in requests if r["ok"]]
-    out = {"n": len(done)}
-    for key in ("e2e_s", "ttft_s", "prefill_s", "decode_s"):
-        vals = [r[key] for r in done if r.get(key) is not None]
-        out[key.replace("_s", "_p50_ms")] = _ms(percentile(vals, 0.5))
-        out[key.replace("_s", "_p90_ms")] = _ms(percentile(vals, 0.9))
-    return out
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else round(x * 1000, 2)
 
 
 # --------------------------------------------------------------------------------------
@@ -776,7 +466,7 @@ class LoadHarness:
             outputs = check_outputs(requests, self.reference_ttft)
         lat = latency_stats(requests)
         vals = [r["ttft_s"] for r in requests if r["ok"] and r["ttft_s"] is not None]
-        lat["ttft_max_ms"] = _ms(max(vals)) if vals else None
+        lat["ttft_max_ms"] = ms(max(vals)) if vals else None
         log(f"  {run.mode.name:<14} TTFT batch {len(requests)} x {a.ttft_prompt_tokens} tokens: "
             f"p50 {lat['ttft_p50_ms']} ms, max {lat['ttft_max_ms']} ms, {lat['n']} ok")
         return {"latency": lat, "outputs": outputs, "requests": requests}

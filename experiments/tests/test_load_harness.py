@@ -23,6 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXP = os.path.dirname(HERE)
 sys.path.insert(0, EXP)
 
+import load_checks  # noqa: E402
+import load_client  # noqa: E402
 import pd_common  # noqa: E402
 import pd_load  # noqa: E402
 import pd_modes  # noqa: E402
@@ -96,16 +98,18 @@ def test_load_prompts_are_mixed_and_deterministic():
 
 
 def test_absent_metrics_are_unproven_not_passed():
-    staging = pd_load.check_staging({"prefill": {"expected": True, "bytes": None, "settle_s": 2},
-                                     "decode": {"expected": True, "bytes": 0.0, "settle_s": 0}})
-    assert staging["status"] == pd_load.ABSENT
+    staging = load_checks.check_staging(
+        {"prefill": {"expected": True, "bytes": None, "settle_s": 2},
+         "decode": {"expected": True, "bytes": 0.0, "settle_s": 0}})
+    assert staging["status"] == load_checks.ABSENT
     req = [{"ok": True, "aborted": None, "prompt_tokens": 10, "intended_prompt_tokens": 10,
             "name": "x", "token_ids": [1]}]
-    kv = pd_load.check_kv_loaded(req, None, pd_common.MetricSnapshot())
-    assert kv["status"] == pd_load.ABSENT
-    assert pd_load.verdict_of({"staging": staging, "outputs": {"status": "pass"}}) == "UNPROVEN"
-    vanilla = pd_load.check_staging({"prefill": {"expected": False, "bytes": None, "settle_s": 0}})
-    assert vanilla["status"] == pd_load.NA
+    kv = load_checks.check_kv_loaded(req, None, pd_common.MetricSnapshot())
+    assert kv["status"] == load_checks.ABSENT
+    assert load_checks.verdict_of({"staging": staging, "outputs": {"status": "pass"}}) == "UNPROVEN"
+    vanilla = load_checks.check_staging(
+        {"prefill": {"expected": False, "bytes": None, "settle_s": 0}})
+    assert vanilla["status"] == load_checks.NA
 
 
 # ---- the proxy propagates client aborts ------------------------------------------------
@@ -151,7 +155,7 @@ def _wait_for(fn, want, timeout=3.0):
 
 
 def test_proxy_cuts_the_upstream_leg_when_the_client_goes_away(pd_pair):
-    p, d = pd_pair({"FAKE_VLLM_PREFILL_MS_PER_KTOK": "300", "FAKE_VLLM_TOKEN_MS": "50"})
+    p, d = pd_pair({"FAKE_VLLM_PREFILL_MS_PER_KTOK": "1500", "FAKE_VLLM_TOKEN_MS": "50"})
     port = _ports.take()
     proxy = pd_proxy.PDProxy(p.health_url[:-len("/health")], d.health_url[:-len("/health")])
     server = pd_proxy.make_server("127.0.0.1", port, proxy)
@@ -159,20 +163,22 @@ def test_proxy_cuts_the_upstream_leg_when_the_client_goes_away(pd_pair):
                      daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     try:
-        body = pd_load.completion_body("fake-model", pd_common.make_prompt_text(2000, 1), 8)
-        # P's prefill takes ~600 ms: the client leaves after 100 ms, during the P leg
-        res = pd_load.stream_completion(url, body, 30, abort_p_ms=100)
+        body = load_client.completion_body("fake-model", pd_common.make_prompt_text(2000, 1), 8)
+        # P's prefill takes ~3 s: the client leaves after 1 s, during the P leg (long enough
+        # after sending that P surely has the request even on a busy machine; a client gone
+        # before the proxy sent it would leave P nothing to abort)
+        res = load_client.stream_completion(url, body, 30, abort_p_ms=1000)
         assert res["aborted"] == "prefill" and not res["ok"]
         assert _wait_for(lambda: _aborts(p), 1) == 1  # P aborted the prefill
         # a short prompt: P answers quickly; D streams a token per 50 ms; leave after 75 ms
-        body = pd_load.completion_body("fake-model", "hello there", 8)
-        res = pd_load.stream_completion(url, body, 30, abort_d_ms=75)
+        body = load_client.completion_body("fake-model", "hello there", 8)
+        res = load_client.stream_completion(url, body, 30, abort_d_ms=75)
         assert res["aborted"] == "decode" and len(res["token_ids"]) < 8
         assert _wait_for(lambda: _aborts(d), 1) == 1  # D aborted the decode
         assert proxy.stats["client_gone_prefill"] == 1 and proxy.stats["client_gone_decode"] == 1
         # and a request nobody drops completes, with the reference's tokens
-        res = pd_load.stream_completion(url, body, 30)
-        ref = pd_load.stream_completion(p.health_url[:-len("/health")], body, 30)
+        res = load_client.stream_completion(url, body, 30)
+        ref = load_client.stream_completion(p.health_url[:-len("/health")], body, 30)
         assert res["ok"] and res["token_ids"] == ref["token_ids"] and len(res["token_ids"]) == 8
         assert res["ttft_s"] <= res["e2e_s"] and res["prefill_s"] > 0 and res["decode_s"] > 0
     finally:
