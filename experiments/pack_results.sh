@@ -8,6 +8,7 @@
 #   DEST_DIR/equivalence-summary.txt SRC_DIR/equivalence/summary.txt, when present
 #   DEST_DIR/bench-summary.txt       SRC_DIR/bench/summary.txt
 #   DEST_DIR/bench_gbps.png, DEST_DIR/bench.csv, DEST_DIR/run_all.log
+#   DEST_DIR/load-summary.txt, load-latency.csv, load-timeline.txt, traffic.log (traffic.sh)
 set -uo pipefail
 SRC=$(cd "${1:?usage: pack_results.sh SRC_DIR DEST_DIR}" && pwd)
 DEST=${2:?usage: pack_results.sh SRC_DIR DEST_DIR}
@@ -30,5 +31,9 @@ copy bench/summary.txt bench-summary.txt
 copy bench/bench_gbps.png bench_gbps.png
 copy bench/bench.csv bench.csv
 copy run_all.log run_all.log
+copy load/summary.txt load-summary.txt
+copy load/latency.csv load-latency.csv
+copy load/timeline.txt load-timeline.txt
+copy traffic.log traffic.log
 ls -la "$DEST"
 exit 0

@@ -173,6 +173,27 @@ def batch_prompts(max_prompt_tokens: int | None = None) -> list[Prompt]:
             if max_prompt_tokens is None or n <= max_prompt_tokens]
 
 
+# Mixed-length load (pd_load.py): prompt lengths spread over [min, max] by a SHA-256
+# stream, so every run and every Python sends the same requests in the same order.
+LOAD_SEED_BASE = 7000
+
+
+def load_prompt_tokens(n: int, min_tokens: int = 8, max_tokens: int = 3800) -> list[int]:
+    if not 2 <= min_tokens <= max_tokens:
+        raise ValueError(f"prompt lengths {min_tokens}..{max_tokens}: need 2 <= min <= max")
+    span = max_tokens - min_tokens + 1
+    out = []
+    for i in range(n):
+        digest = hashlib.sha256(f"load:{i}".encode()).digest()
+        out.append(min_tokens + int.from_bytes(digest[:4], "little") % span)
+    return out
+
+
+def load_prompts(n: int, min_tokens: int = 8, max_tokens: int = 3800) -> list[Prompt]:
+    return [Prompt(f"load-{i:03d}-{t}", t, make_prompt_text(t, seed=LOAD_SEED_BASE + i))
+            for i, t in enumerate(load_prompt_tokens(n, min_tokens, max_tokens))]
+
+
 # --------------------------------------------------------------------------------------
 # Output fingerprints
 # --------------------------------------------------------------------------------------
@@ -265,6 +286,11 @@ class M:
     KVPD_UNPACK_SUM = "vllm:kvcached_pd_unpack_seconds_sum"  # D: device time of the scatter
     KVPD_UNPACK_COUNT = "vllm:kvcached_pd_unpack_seconds_count"
     KVPD_HANDOFF_SUM = "vllm:kvcached_pd_handoff_seconds_sum"  # D: READ posted -> scatter
+    # staging occupancy gauges (bytes held now) and pressure counters, issue 10
+    KVPD_P_STAGING = "vllm:kvcached_pd_prefill_staging_bytes"  # P: packed extents held
+    KVPD_D_STAGING = "vllm:kvcached_pd_decode_staging_bytes"  # D: extents reserved
+    KVPD_FALLBACKS = "vllm:kvcached_pd_direct_fallbacks_total"  # staged -> direct path
+    KVPD_STAGING_WAITS = "vllm:kvcached_pd_staging_waits_total"  # waits for staging room
 
 
 def metric_delta(before: MetricSnapshot | None, after: MetricSnapshot | None, name: str,

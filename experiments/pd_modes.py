@@ -135,6 +135,56 @@ MODES: dict[str, Mode] = {
 BENCH_MODES = ("vanilla", "kvcached-pd-staged", "kvcached-pd-staged-prealloc", "kvcached-own")
 
 
+# ---- load flavours (pd_load.py) --------------------------------------------------------
+# Under load kvcached-pd must hold up with kvcached exactly as an operator gets it:
+# kvcached's own defaults plus its activation switches, with no page reserve
+# (KVCACHED_MIN/MAX_RESERVED_PAGES), no KVCACHED_PD_STAGING_MB and, by default, no
+# KVCACHED_CONTIGUOUS_LAYOUT (kvcached's default is the contiguous layout; measured on the
+# 2 x H200 host: 8 x 3000-token TTFT 81-90 ms contiguous against 361-365 ms split).
+# ``--kvcached-layout split`` sets KVCACHED_CONTIGUOUS_LAYOUT=false, what kvcached's own
+# NIXL path and kvcached-pd's direct transport need.
+KVCACHED_DEFAULTS = {"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1"}
+KVCACHED_LAYOUTS = {"contiguous": {}, "split": {"KVCACHED_CONTIGUOUS_LAYOUT": "false"}}
+
+
+def load_env(transport: str | None, layout: str = "contiguous") -> dict[str, str]:
+    """Environment of one load-flavour instance: vanilla (transport None) or kvcached with
+    kvcached-pd's ``transport``, on kvcached's defaults and the chosen layout."""
+    if transport is None:
+        return dict(KVCACHED_OFF)
+    if layout not in KVCACHED_LAYOUTS:
+        raise ValueError(f"kvcached layout {layout!r}: expected one of {sorted(KVCACHED_LAYOUTS)}")
+    return {**KVCACHED_DEFAULTS, **KVCACHED_LAYOUTS[layout], "KVCACHED_PD": "1",
+            "KVCACHED_PD_TRANSPORT": transport}
+
+
+# name -> (description, transport of both sides or None for vanilla, connector)
+LOAD_FLAVOURS: dict[str, tuple[str, str | None, str]] = {
+    "vanilla": ("PD, vLLM without kvcached", None, "NixlConnector"),
+    "kvpd-staged": ("PD, kvcached + kvcached-pd staged pull", "staged", "NixlConnector"),
+    "kvpd-push": ("PD, kvcached + kvcached-pd staged push", "staged", "NixlPushConnector"),
+    "kvpd-direct": ("PD, kvcached + kvcached-pd direct (needs --kvcached-layout split)",
+                    "direct", "NixlConnector"),
+    "vanilla-push": ("PD, vLLM's own push without kvcached", None, "NixlPushConnector"),
+}
+LOAD_DEFAULT_MODES = ("vanilla", "kvpd-staged", "kvpd-push")
+
+
+def load_modes(names: list[str], layout: str = "contiguous") -> list[Mode]:
+    """The no-PD reference first, then the named load flavours in the order given."""
+    out = [Mode("reference", "one vanilla instance, no PD: the ground truth", single=VANILLA)]
+    for name in names:
+        if name not in LOAD_FLAVOURS:
+            raise SystemExit(f"unknown load mode {name!r}; known: {', '.join(LOAD_FLAVOURS)}")
+        if any(m.name == name for m in out):
+            continue
+        description, transport, connector = LOAD_FLAVOURS[name]
+        flavour = "vanilla" if transport is None else f"kvcached-pd-{transport}-{layout}"
+        cfg = InstanceConfig(flavour, load_env(transport, layout))
+        out.append(_pd(name, description, cfg, cfg, connector=connector))
+    return out
+
+
 def resolve_modes(names: list[str]) -> list[Mode]:
     """Expand 'all' (every mode but the bench-only ones), check names, keep the order
     given (deduplicated)."""

@@ -22,6 +22,12 @@ kv_transfer_params (D would silently recompute the prompt), and reports per-leg 
 times in response headers (X-PD-Prefill-Seconds, X-PD-Decode-Seconds,
 X-PD-Total-Seconds) and, for JSON responses, in a "pd_proxy" field.
 
+A client that goes away aborts the request on both legs: while a leg is upstream, a
+watcher notices the client's connection closing and shuts the upstream connection down,
+so vLLM (which aborts a request whose HTTP client disconnected) frees it instead of
+finishing a prefill or a decode nobody reads, and no decode leg is sent afterwards. The
+counts by leg are in /healthz (client_gone_prefill, client_gone_decode).
+
 Standard library only (ThreadingHTTPServer + http.client): nothing to install.
 
 usage: pd_proxy.py --port 19100 --prefill http://127.0.0.1:18100 --decode http://127.0.0.1:18101
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import select
 import socket
 import sys
 import threading
@@ -57,6 +64,94 @@ class ProxyError(Exception):
         self.status = status
         self.leg = leg
         self.upstream_body = upstream_body
+
+
+class ClientGone(Exception):
+    """The client closed its connection: the request is abandoned."""
+
+
+def _shutdown(conn: http.client.HTTPConnection, how: int = socket.SHUT_RDWR) -> None:
+    """Send FIN now, whoever else still holds the socket (the response's file object
+    keeps the descriptor open after conn.close())."""
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(how)
+        except OSError:
+            pass
+
+
+class ClientWatch:
+    """Watches one client connection while its request is upstream.
+
+    The client has sent its whole request and only waits, so its socket becoming
+    readable with nothing to read (EOF) or an error means it went away. Then every
+    upstream connection attached so far is half-closed (FIN, SHUT_WR): vLLM's server
+    takes that as a disconnect and aborts the request (uvicorn's is_disconnected() turned
+    true ~0.1 s after a half-close, measured), while an answer P had already
+    sent can still be read, so its KV is handed to D rather than stranded on P (a full
+    shutdown discarded such answers: the fake's staging gauge caught it). Polls every
+    20 ms: an abort reaches vLLM within ~20 ms.
+    """
+
+    POLL_S = 0.02
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.gone = threading.Event()
+        self.leg = "prefill"  # which leg was upstream when the client went away
+        self.gone_leg: str | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._upstream: list[http.client.HTTPConnection] = []
+        self._thread = threading.Thread(target=self._run, daemon=True, name="client-watch")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            try:
+                readable, _, _ = select.select([self.sock], [], [], self.POLL_S)
+            except (OSError, ValueError):
+                return
+            if not readable:
+                continue
+            try:
+                data = self.sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if data:  # the client sent more bytes (pipelining): it is still there
+                return
+            self._cut()
+            return
+
+    def _cut(self) -> None:
+        with self._lock:
+            if self.gone.is_set():
+                return
+            self.gone_leg = self.leg
+            self.gone.set()
+            conns = list(self._upstream)
+        for conn in conns:
+            _shutdown(conn, socket.SHUT_WR)
+
+    def attach(self, conn: http.client.HTTPConnection, leg: str) -> bool:
+        """Register a connected upstream connection. Returns False when the client has
+        already gone (the connection is then not registered)."""
+        with self._lock:
+            self.leg = leg
+            if self.gone.is_set():
+                return False
+            self._upstream.append(conn)
+            return True
+
+    def check(self) -> None:
+        if self.gone.is_set():
+            raise ClientGone(self.gone_leg or self.leg)
+
+    def close(self) -> None:
+        self._done.set()
 
 
 class Backend:
@@ -109,32 +204,48 @@ class PDProxy:
         self.push_concurrent = push_concurrent
         self.json_timings = json_timings
         self.lock = threading.Lock()
-        self.stats = {"requests": 0, "ok": 0, "failed": 0}
+        self.stats = {"requests": 0, "ok": 0, "failed": 0, "client_gone_prefill": 0,
+                      "client_gone_decode": 0}
 
     @property
     def mode(self) -> str:
         return "push-concurrent" if self.push_concurrent else "sequential"
 
     # ---- legs ------------------------------------------------------------------------
-    def run_prefill(self, path: str, request: dict, headers: dict) -> tuple[dict, float]:
+    def run_prefill(self, path: str, request: dict, headers: dict,
+                    watch: ClientWatch | None = None) -> tuple[dict, float]:
         t0 = time.perf_counter()
         conn = self.prefill.connect()
         try:
+            if watch is not None:
+                watch.check()  # gone before P saw anything: nothing to abort
             conn.request("POST", path, json.dumps(build_prefill_request(request)).encode(), headers)
+            # Watched only once P has the request: a cut must never leave it half-sent.
+            if watch is not None and not watch.attach(conn, "prefill"):
+                _shutdown(conn, socket.SHUT_WR)  # P gets the request and the disconnect
             resp = conn.getresponse()
             data = resp.read()
         except (OSError, http.client.HTTPException) as exc:
+            if watch is not None:
+                watch.check()
             raise ProxyError(502, f"prefill leg: {type(exc).__name__}: {exc}", "prefill") from exc
         finally:
+            _shutdown(conn)
             conn.close()
         seconds = time.perf_counter() - t0
         text = data.decode("utf-8", "replace")
+        # A whole answer from P stands even if the client has just left (the decode leg
+        # then hands D the request and cuts it); a cut one is the client's doing.
         if resp.status != 200:
+            if watch is not None:
+                watch.check()
             raise ProxyError(resp.status, f"prefill leg returned HTTP {resp.status}", "prefill",
                              text)
         try:
             return json.loads(text), seconds
         except ValueError as exc:
+            if watch is not None:
+                watch.check()
             raise ProxyError(502, "prefill leg returned non-JSON", "prefill", text[:2000]) from exc
 
 
@@ -150,6 +261,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "kvcached-pd-proxy/1"
     proxy: PDProxy  # set on the subclass by make_server
+    watch: ClientWatch | None = None  # the current request's client watcher
 
     def log_message(self, fmt, *args):  # quiet access log; errors are logged explicitly
         pass
@@ -157,13 +269,16 @@ class Handler(BaseHTTPRequestHandler):
     # ---- plumbing --------------------------------------------------------------------
     def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None,
               content_type: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the client went away; nothing left to tell it
+            self.close_connection = True
 
     def _read_json(self) -> dict:
         length = int(self.headers.get("Content-Length") or 0)
@@ -206,19 +321,25 @@ class Handler(BaseHTTPRequestHandler):
         with p.lock:
             p.stats["requests"] += 1
         request_id = self.headers.get("X-Request-Id") or uuid.uuid4().hex
-        ok = self._handle_pd(self.path, request, request_id)
+        watch = ClientWatch(self.connection)
+        try:
+            ok = self._handle_pd(self.path, request, request_id, watch)
+        finally:
+            watch.close()
         with p.lock:
             p.stats["ok" if ok else "failed"] += 1
 
-    def _handle_pd(self, path: str, request: dict, request_id: str) -> bool:
+    def _handle_pd(self, path: str, request: dict, request_id: str,
+                   watch: ClientWatch | None = None) -> bool:
         p = self.proxy
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         timings: dict = {"request_id": request_id, "mode": p.mode}
         t0 = time.perf_counter()
+        self.watch = watch
         try:
             if p.push_concurrent:
                 return self._push_concurrent(path, request, headers, timings, t0)
-            prefill_json, prefill_s = p.run_prefill(path, request, headers)
+            prefill_json, prefill_s = p.run_prefill(path, request, headers, watch)
             timings["prefill_s"] = round(prefill_s, 6)
             kv_params = prefill_json.get("kv_transfer_params")
             if not kv_params:
@@ -227,6 +348,16 @@ class Handler(BaseHTTPRequestHandler):
                                  json.dumps(prefill_json)[:2000])
             decode_request = dict(request, kv_transfer_params=kv_params)
             return self._decode_leg(path, decode_request, headers, timings, t0)
+        except (ClientGone, OSError) as exc:
+            # ClientGone: the watcher saw the client leave; OSError: writing to it failed
+            leg = (watch.gone_leg if watch is not None and watch.gone_leg else
+                   (exc.args[0] if isinstance(exc, ClientGone) and exc.args else "decode"))
+            with p.lock:
+                p.stats[f"client_gone_{leg}"] += 1
+            print(f"pd_proxy: {request_id}: client went away during the {leg} leg: upstream "
+                  "connection closed (vLLM aborts the request)", file=sys.stderr, flush=True)
+            self.close_connection = True
+            return False
         except ProxyError as exc:
             timings["total_s"] = round(time.perf_counter() - t0, 6)
             print(f"pd_proxy: {request_id}: {exc} ({exc.leg})", file=sys.stderr, flush=True)
@@ -251,8 +382,8 @@ class Handler(BaseHTTPRequestHandler):
 
         def prefill_thread():
             try:
-                _, outcome["prefill_s"] = p.run_prefill(path, request, headers)
-            except ProxyError as exc:
+                _, outcome["prefill_s"] = p.run_prefill(path, request, headers, self.watch)
+            except (ProxyError, ClientGone) as exc:
                 outcome["error"] = exc
                 try:  # vLLM aborts a request whose client went away
                     decode_conn.sock.shutdown(socket.SHUT_RDWR)
@@ -274,6 +405,7 @@ class Handler(BaseHTTPRequestHandler):
         p = self.proxy
         stream = bool(decode_request.get("stream"))
         t_dec = time.perf_counter()
+        watch = self.watch
         conn = conn or p.decode.connect()
 
         def prefill_error() -> ProxyError | None:
@@ -284,6 +416,14 @@ class Handler(BaseHTTPRequestHandler):
 
         try:
             conn.request("POST", path, json.dumps(decode_request).encode(), headers)
+            if watch is not None and not watch.attach(conn, "decode"):
+                # The client left before D had the request, maybe right after P
+                # answered. P then holds the prompt's KV for D; without a decode leg it
+                # would keep it until vLLM's abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT,
+                # 480 s by default). D gets the request and the disconnect at once: it
+                # aborts the request and tells P to free.
+                _shutdown(conn, socket.SHUT_WR)
+                raise ClientGone("decode")
             resp = conn.getresponse()
             if stream and resp.status == 200:
                 err = prefill_error()
@@ -297,13 +437,18 @@ class Handler(BaseHTTPRequestHandler):
             err = prefill_error()
             if err is not None:
                 raise err from exc
+            if watch is not None:
+                watch.check()
             raise ProxyError(502, f"decode leg: {type(exc).__name__}: {exc}", "decode") from exc
         finally:
+            _shutdown(conn)  # also when leaving early (ClientGone): D must see the disconnect
             conn.close()
         timings["decode_s"] = round(time.perf_counter() - t_dec, 6)
         err = prefill_error()
         if err is not None:
             raise err
+        if watch is not None:
+            watch.check()
         if prefill_outcome is not None:
             timings["prefill_s"] = round(prefill_outcome.get("prefill_s", 0.0), 6)
         timings["total_s"] = round(time.perf_counter() - t0, 6)
@@ -324,32 +469,45 @@ class Handler(BaseHTTPRequestHandler):
     def _relay_stream(self, resp, timings, t0, t_dec) -> bool:
         """Relay D's server-sent events as they come; the timings go in the headers
         (prefill) and in a final SSE comment line (decode, total)."""
-        self.send_response(200)
-        self.send_header("Content-Type", resp.getheader("Content-Type", "text/event-stream"))
-        self.send_header("Transfer-Encoding", "chunked")
-        for k, v in self._timing_headers(timings).items():
-            self.send_header(k, v)
-        self.end_headers()
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", resp.getheader("Content-Type", "text/event-stream"))
+            self.send_header("Transfer-Encoding", "chunked")
+            for k, v in self._timing_headers(timings).items():
+                self.send_header(k, v)
+            self.end_headers()
+        except OSError as exc:
+            raise ClientGone("decode") from exc
 
         def chunk(data: bytes) -> None:
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-            self.wfile.flush()
+            try:
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+            except OSError as exc:  # the client went away: _decode_leg closes D's connection
+                raise ClientGone("decode") from exc
 
         first = None
         while True:
             data = resp.read1(65536) if hasattr(resp, "read1") else resp.read(65536)
             if not data:
                 break
+            if self.watch is not None:
+                self.watch.check()
             if first is None:
                 first = time.perf_counter()
                 timings["decode_first_byte_s"] = round(first - t_dec, 6)
             chunk(data)
+        if self.watch is not None:
+            self.watch.check()  # a cut D connection ends the stream early
         timings["decode_s"] = round(time.perf_counter() - t_dec, 6)
         timings["total_s"] = round(time.perf_counter() - t0, 6)
         if self.proxy.json_timings:
             chunk(f": pd_proxy {json.dumps(timings)}\n\n".encode())
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
+        try:
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError as exc:
+            raise ClientGone("decode") from exc
         return True
 
     @staticmethod

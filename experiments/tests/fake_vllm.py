@@ -20,7 +20,22 @@ FAKE_VLLM_DIE_AFTER=N (a decode instance exits on its N+1-th request),
 FAKE_VLLM_RECOMPUTE=1 (decode ignores the transferred KV and recomputes; the external
 prefix cache counters then stay at zero), KVCACHED_PD_TEST_CORRUPT=1 (decode flips one
 transferred token, like the real negative control), FAKE_VLLM_NO_KV_PARAMS=1 (prefill
-returns no kv_transfer_params).
+returns no kv_transfer_params), FAKE_VLLM_CORRUPT_DECODE=1 (like the negative control, but
+on every decode instance whatever its mode).
+
+Load and aborts (pd_load.py): FAKE_VLLM_PREFILL_MS_PER_KTOK=M (a prefill leg takes M ms
+per 1000 prompt tokens), FAKE_VLLM_TOKEN_MS=T (a streamed token every T ms). A client that
+disconnects meanwhile aborts the request (vllm:request_success_total{finished_reason=
+"abort"}), as vLLM does. Staged instances (KVCACHED_PD=1, KVCACHED_PD_TRANSPORT=staged)
+export kvcached-pd's staging gauges: P holds a prompt's bytes from its prefill until D
+fetched them (or VLLM_NIXL_ABORT_REQUEST_TIMEOUT passed), D while it fetches;
+FAKE_VLLM_STAGING_LEAK=1 makes P never release. The fallback counter is exported (always
+0); the staging-wait counter is not (to exercise "absent").
+
+UCX fault injection, emulated: with UCX_FAULT_ENABLED=1 and an LD_PRELOAD naming
+"fake_ucx_fault", the instance logs the injector's start line and a decode instance fails
+the KV fetches that UCX_FAULT_PATTERN marks X (a failed transfer: the request fails,
+vllm:nixl_num_failed_transfers grows, the server lives on).
 """
 
 from __future__ import annotations
@@ -29,6 +44,8 @@ import argparse
 import hashlib
 import json
 import os
+import select
+import socket
 import sys
 import threading
 import time
@@ -87,6 +104,39 @@ class State:
         self.staged = (os.environ.get("KVCACHED_PD") == "1"
                        and os.environ.get("KVCACHED_PD_TRANSPORT") == "staged")
         self.counter = 0
+        self.aborts = 0
+        self.fetches = 0
+        self.failed_xfers = 0
+        self.fault_pattern = os.environ.get("UCX_FAULT_PATTERN", "") if (
+            os.environ.get("UCX_FAULT_ENABLED") == "1"
+            and "fake_ucx_fault" in os.environ.get("LD_PRELOAD", "")) else ""
+        self.held: dict[str, tuple[int, float]] = {}  # P: rid -> (staged bytes, since)
+        self.alias: dict[str, str] = {}  # P: the proxy's X-Request-Id -> rid (push)
+        self.d_staging = 0  # D: bytes of fetches in flight
+        self.abort_timeout = float(os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480"))
+
+    def release(self, rid: str) -> None:
+        if os.environ.get("FAKE_VLLM_STAGING_LEAK"):
+            return
+        with self.lock:
+            self.held.pop(self.alias.get(rid, rid), None)
+
+    def expire(self) -> None:
+        """vLLM frees what no D asked for within the abort timeout."""
+        now = time.monotonic()
+        with self.lock:
+            for rid in [r for r, (_, t) in self.held.items() if now - t > self.abort_timeout]:
+                if not os.environ.get("FAKE_VLLM_STAGING_LEAK"):
+                    del self.held[rid]
+
+
+def client_gone(sock: socket.socket) -> bool:
+    """The client closed its connection (readable with nothing to read)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def metrics_text(st: State) -> str:
@@ -103,6 +153,7 @@ def metrics_text(st: State) -> str:
         f"vllm:request_queue_time_seconds_sum{{{lbl}}} {c['queue_sum']}",
         f"vllm:request_queue_time_seconds_count{{{lbl}}} {c['queue_count']}",
         f'vllm:request_success_total{{{lbl},finished_reason="length"}} {c["success"]}',
+        f'vllm:request_success_total{{{lbl},finished_reason="abort"}} {st.aborts}',
     ]
     if st.kv_config:
         lines += [
@@ -110,7 +161,7 @@ def metrics_text(st: State) -> str:
             f"vllm:nixl_xfer_time_seconds_count{{{lbl}}} {c['xfer_count']}",
             f"vllm:nixl_bytes_transferred_sum{{{lbl}}} {c['bytes_sum']}",
             f"vllm:nixl_num_descriptors_sum{{{lbl}}} {c['descs_sum']}",
-            f"vllm:nixl_num_failed_transfers_total{{{lbl}}} 0.0",
+            f"vllm:nixl_num_failed_transfers_total{{{lbl}}} {float(st.failed_xfers)}",
         ]
     if st.kv_config and st.staged:
         lines += [
@@ -119,7 +170,16 @@ def metrics_text(st: State) -> str:
             f"vllm:kvcached_pd_unpack_seconds_sum{{{lbl}}} {c['unpack_sum']}",
             f"vllm:kvcached_pd_unpack_seconds_count{{{lbl}}} {c['unpack_count']}",
             f"vllm:kvcached_pd_handoff_seconds_sum{{{lbl}}} {c['handoff_sum']}",
+            f"vllm:kvcached_pd_direct_fallbacks_total{{{lbl}}} 0.0",
         ]
+        st.expire()
+        with st.lock:
+            if st.kv_config.get("kv_role") == "kv_producer":
+                held = sum(b for b, _ in st.held.values())
+                lines.append(f"vllm:kvcached_pd_prefill_staging_bytes{{{lbl}}} {float(held)}")
+            else:
+                lines.append(f"vllm:kvcached_pd_decode_staging_bytes{{{lbl}}} "
+                             f"{float(st.d_staging)}")
     return "\n".join(lines) + "\n"
 
 
@@ -147,6 +207,8 @@ def make_handler(st: State):
                 rid = self.path[4:]
                 with st.lock:
                     kv = st.store.get(rid)
+                if kv is not None:
+                    st.release(rid)  # D has the bytes: P's extent is free
                 self._send(200 if kv is not None else 404, {"kv": kv})
             else:
                 self._send(404, {"error": "not found"})
@@ -169,16 +231,44 @@ def make_handler(st: State):
                 st.counter += 1
                 rid = f"cmpl-{self.headers.get('X-Request-Id', st.counter)}-0-{os.getpid():08x}"
             kv = prompt_ids
+            if kvp.get("do_remote_decode"):
+                ms_per_ktok = float(os.environ.get("FAKE_VLLM_PREFILL_MS_PER_KTOK", "0"))
+                t_end = time.monotonic() + ms_per_ktok * len(prompt_ids) / 1e6
+                while time.monotonic() < t_end:
+                    if client_gone(self.connection):  # vLLM aborts a disconnected request
+                        with st.lock:
+                            st.aborts += 1
+                        self.close_connection = True
+                        return
+                    time.sleep(0.002)
             if kvp.get("do_remote_prefill") and not os.environ.get("FAKE_VLLM_RECOMPUTE"):
                 t0 = time.perf_counter()
                 url = f"http://{kvp['remote_host']}:{kvp['remote_port']}/kv/{kvp['remote_request_id']}"
+                nbytes = len(prompt_ids) * 32768 if st.staged else 0
+                with st.lock:
+                    st.d_staging += nbytes
+                with st.lock:
+                    st.fetches += 1
+                    fault = bool(st.fault_pattern) and \
+                        st.fault_pattern[(st.fetches - 1) % len(st.fault_pattern)] == "X"
+                    if fault:
+                        st.failed_xfers += 1
+                        st.d_staging -= nbytes
+                if fault:
+                    print("[FAULT] INJECTED: ucp_get_nbx (fake)", flush=True)
+                    self._send(500, {"error": "KV load failed: injected UCX fault"})
+                    return
                 try:
                     kv = fetch_kv(url, wait_s=10.0 if "remote_block_ids" not in kvp else 0.0)
                 except Exception as exc:  # kv_load_failure_policy=fail
                     self._send(500, {"error": f"KV load failed: {exc}"})
                     return
+                finally:
+                    with st.lock:
+                        st.d_staging -= nbytes
                 xfer = time.perf_counter() - t0
-                if os.environ.get("KVCACHED_PD_TEST_CORRUPT") == "1":
+                if os.environ.get("KVCACHED_PD_TEST_CORRUPT") == "1" or \
+                        os.environ.get("FAKE_VLLM_CORRUPT_DECODE") == "1":
                     kv = list(kv)
                     kv[len(kv) // 2] ^= 0x1
                     print("WARNING kvcached-pd TEST: corrupted block 0 of 8 layers", flush=True)
@@ -215,9 +305,13 @@ def make_handler(st: State):
                           "total_tokens": len(prompt_ids) + len(out)},
             }
             if kvp.get("do_remote_decode") and not os.environ.get("FAKE_VLLM_NO_KV_PARAMS"):
+                xrid = self.headers.get("X-Request-Id", rid)
                 with st.lock:  # by our id (pull) and by the proxy's X-Request-Id (push)
                     st.store[rid] = prompt_ids
-                    st.store[self.headers.get("X-Request-Id", rid)] = prompt_ids
+                    st.store[xrid] = prompt_ids
+                    if st.staged:
+                        st.held[rid] = (len(prompt_ids) * 32768, time.monotonic())
+                        st.alias[xrid] = rid
                 body["kv_transfer_params"] = {
                     "do_remote_prefill": True, "do_remote_decode": False,
                     "remote_block_ids": [list(range((len(prompt_ids) + 15) // 16))],
@@ -230,14 +324,22 @@ def make_handler(st: State):
                     with st.lock:
                         st.c["pack_sum"] += 0.00025
                         st.c["pack_count"] += 1
-            with st.lock:
-                st.c["success"] += 1
             if req.get("stream"):
-                self._stream(body, out)
+                if self._stream(body, out, req):
+                    with st.lock:
+                        st.c["success"] += 1
+                else:
+                    with st.lock:
+                        st.aborts += 1
             else:
+                with st.lock:
+                    st.c["success"] += 1
                 self._send(200, body)
 
-        def _stream(self, body, out):
+        def _stream(self, body, out, req) -> bool:
+            """Stream the tokens (one every FAKE_VLLM_TOKEN_MS); False when the client
+            went away first (an abort)."""
+            token_s = float(os.environ.get("FAKE_VLLM_TOKEN_MS", "0")) / 1000
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
@@ -247,12 +349,26 @@ def make_handler(st: State):
                 events.append({"id": body["id"], "object": "text_completion",
                                "choices": [{"index": 0, "text": chr(32 + tok % 90),
                                             "token_ids": [tok], "finish_reason": None}]})
-            for ev in events:
-                data = f"data: {json.dumps(ev)}\n\n".encode()
-                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-                self.wfile.flush()
-            data = b"data: [DONE]\n\n"
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n")
+            events[-1]["choices"][0]["finish_reason"] = "length"
+            if (req.get("stream_options") or {}).get("include_usage"):
+                events.append({"id": body["id"], "object": "text_completion", "choices": [],
+                               "usage": body["usage"]})
+            try:
+                for ev in events:
+                    if token_s:
+                        time.sleep(token_s)
+                        if client_gone(self.connection):
+                            self.close_connection = True
+                            return False
+                    data = f"data: {json.dumps(ev)}\n\n".encode()
+                    self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                    self.wfile.flush()
+                data = b"data: [DONE]\n\n"
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n")
+            except OSError:
+                self.close_connection = True
+                return False
+            return True
 
     return H
 
@@ -268,6 +384,9 @@ def main():
     ap.add_argument("--kv-transfer-config", default=None)
     args, _unknown = ap.parse_known_args()
     print(f"fake vllm serve {args.model} port={args.port} pid={os.getpid()}", flush=True)
+    if os.environ.get("UCX_FAULT_ENABLED") == "1" and \
+            "fake_ucx_fault" in os.environ.get("LD_PRELOAD", ""):
+        print("INFO UCX fault injector loaded (fake)", flush=True)
     if os.environ.get("FAKE_VLLM_EXIT_AT_START"):
         print("fake: simulated crash during startup", flush=True)
         sys.exit(3)

@@ -1,0 +1,901 @@
+#!/usr/bin/env python3
+"""Real traffic through PD pairs side by side: concurrency, client aborts, UCX faults and a
+peer killed mid-run, every completed output checked against a no-PD reference.
+
+One run starts, at once, a no-PD reference instance and one P/D pair per mode (P on the
+prefill GPU, D on the decode GPU, each pair behind its own pd_proxy.py); the modes'
+environments come from pd_modes.LOAD_FLAVOURS: vanilla vLLM, and kvcached-pd with
+kvcached's defaults plus ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1 (--kvcached-layout
+picks kvcached's contiguous default or the split layout). Then:
+
+1. one warm-up request per pair (NIXL's handshake is paid here, not in a measurement);
+2. the reference serves the load once, without aborts: the ground truth per prompt;
+3. optionally (--ttft-batch N) N concurrent long prompts per mode: time to first token;
+4. --repeats times, mode after mode (interleaved, so drift hits every mode alike): the load,
+   N mixed-length greedy requests (pd_common.load_prompts), --concurrency at a time,
+   streamed (temperature 0, ignore_eos, return_token_ids, --max-tokens), every k-th one
+   dropped by the client during its prefill leg and/or its decode leg (--abort-every,
+   --abort-prefill-ms, --abort-decode-ms: the client closes its socket, the proxy closes
+   the upstream connection, vLLM aborts the request).
+
+Checks after every repeat of every mode (a mode PASSes when every repeat passed):
+- outputs:  every completed request's token ids equal the reference's for that prompt;
+- requests: no request failed that the client did not drop (not checked under faults/kills);
+- kv:       D's vllm:external_prefix_cache_hits grew by at least the completed requests'
+            prompt tokens less one each, and D computed at most one prompt token per
+            request it received: D loaded the KV instead of computing it;
+- alive:    both servers' processes alive and /health 200 (a dead one: its log's tail);
+- staging:  kvcached-pd's staging gauges (P: vllm:kvcached_pd_prefill_staging_bytes, D:
+            vllm:kvcached_pd_decode_staging_bytes) read 0 once the requests are done and
+            a short settle passed (vanilla: n/a);
+- nixl:     vllm:nixl_num_failed_transfers did not grow (clean runs only; reported always).
+Reported too: kvcached-pd's direct-path fallbacks and staging waits per side, the aborts
+P, D and the proxy saw. A metric the instance does not export is "absent": never a pass
+(the verdict is then UNPROVEN, not PASS).
+
+Fault options: --ucx-fault-lib (LD_PRELOAD'ed UCX fault injector, as vLLM's own
+tests/v1/kv_connector/nixl_integration/run_ucx_fault_injection_test.sh does: every
+--ucx-fault-pattern'th UCX operation fails on --ucx-fault-on) and --kill prefill|decode
+--kill-at-s T (SIGKILL of that instance's process tree during the last repeat; the
+survivor must keep serving and its staging return to 0 within --abort-timeout-s).
+
+Latency per mode over completed requests, p50 and p90: end to end, time to first token
+(first streamed token), P leg and D leg (the proxy's X-PD-Prefill-Seconds header and its
+closing timing line), with ratios against vanilla PD.
+
+The streaming client with its aborts is load_client.py; the checks, pure functions of
+what a repeat measured, are load_checks.py.
+
+Writes under --out: summary.txt, summary.json (re-written after every repeat, so a run
+cut short still leaves its results), latency.csv, modes/<mode>.json (every request),
+logs/, environment.json; with --trace, timeline.txt. Exit status 0 only when every mode
+passed; 1 when one failed; 2 when nothing failed but a check could not be made.
+
+usage: pd_load.py --out OUT [--model /tmp/tiny] [--abort-every 9 --abort-prefill-ms 50
+                  --abort-decode-ms 10] [--repeats 5] [--ttft-batch 8] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import shlex
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from load_checks import (ABSENT, FAIL, NA, PASS, check_alive, check_kv_loaded, check_outputs,
+                         check_requests, check_staging, latency_stats, ms, staging_expected,
+                         verdict_of)
+from load_client import AbortPlan, completion_body, run_load, stream_completion
+from pd_common import (M, Deadline, MetricSnapshot, Prompt, get, load_prompts, log,
+                       make_prompt_text, metric_delta, post_json, scrape_metrics, write_json)
+from pd_modes import (KVCACHED_LAYOUTS, LOAD_DEFAULT_MODES, LOAD_FLAVOURS, Mode,
+                      kv_transfer_config, load_modes)
+from pd_proxy import PREFILL_KV_PARAMS
+from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,
+                        PortAllocator, ServeSettings, default_vllm_cmd, describe_environment,
+                        indent, instance_env, kvcached_pd_evidence, neutral_env, serve_args,
+                        stop_all, wait_until_ready, write_vllm_logging_config)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Defaults per model, from the issue's measurements: the tiny model (32 KiB of KV per
+# token) under 64 requests 16 at a time, the kvbig model (256 KiB per token) under 48
+# requests 8 at a time.
+LOAD_PRESETS = {"tiny": {"requests": 64, "concurrency": 16},
+                "kvbig": {"requests": 48, "concurrency": 8}}
+KVBIG_BYTES_PER_TOKEN = 128 * 1024  # at or above this, the kvbig defaults apply
+UCX_FAULT_COMMANDS = "/tmp/ucx-fault-commands"  # the injector's command file (file control)
+# The injector's own log lines ("UCX fault injector loaded", "[FAULT] INJECTED: ..."), not
+# ld.so's complaint about a library it could not preload (which names the file).
+_UCX_FAULT_LOADED = re.compile(r"UCX fault injector (loaded|initialization)")
+_UCX_FAULT_INJECTED = re.compile(r"\[FAULT\]|INJECTED")
+
+
+
+# --------------------------------------------------------------------------------------
+# The harness
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModeRun:
+    mode: Mode
+    instances: dict[str, ManagedProcess] = field(default_factory=dict)  # role -> process
+    ports: dict[str, dict] = field(default_factory=dict)
+    proxy: ManagedProcess | None = None
+    url: str | None = None
+    infra_error: str | None = None
+    repeats: list[dict] = field(default_factory=list)
+    ttft: dict | None = None
+    killed: str | None = None  # the role killed on purpose
+    broken: str | None = None  # why no further repeats run
+
+    def procs(self) -> list[ManagedProcess]:
+        return list(self.instances.values()) + ([self.proxy] if self.proxy else [])
+
+    def base(self, role: str) -> str:
+        return f"http://127.0.0.1:{self.ports[role]['http']}"
+
+
+class LoadHarness:
+    def __init__(self, a: argparse.Namespace):
+        self.a = a
+        self.out = os.path.abspath(a.out)
+        self.logs = os.path.join(self.out, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+        os.makedirs(os.path.join(self.out, "modes"), exist_ok=True)
+        self.deadline = Deadline(a.deadline_s)
+        self.run_tag = uuid.uuid4().hex[:6]
+        self.http_ports = PortAllocator(a.port_base)
+        self.side_ports = PortAllocator(a.side_channel_port_base)
+        self.proxy_ports = PortAllocator(a.proxy_port_base)
+        kv_bytes = int(a.kv_cache_gib * (1 << 30)) if a.kv_cache_gib > 0 else None
+        gmu = a.gpu_memory_utilization
+        if gmu is None:
+            gmu = 0.04 if kv_bytes else 0.12
+        self.settings = ServeSettings(
+            model=a.model, max_model_len=a.max_model_len, gpu_memory_utilization=gmu,
+            kv_cache_bytes=kv_bytes,
+            vllm_cmd=shlex.split(a.vllm_cmd) if a.vllm_cmd else default_vllm_cmd(),
+            extra_args=shlex.split(a.extra_serve_args or ""),
+            logging_config_path=write_vllm_logging_config(
+                os.path.join(self.out, "vllm_logging.json")))
+        self.prompts = load_prompts(a.requests, a.min_prompt_tokens, a.max_prompt_tokens)
+        self.ttft_prompts = [Prompt(f"ttft-{i}-{a.ttft_prompt_tokens}", a.ttft_prompt_tokens,
+                                    make_prompt_text(a.ttft_prompt_tokens, seed=5000 + i))
+                             for i in range(a.ttft_batch)]
+        self.aborts = AbortPlan(a.abort_every, a.abort_prefill_ms, a.abort_decode_ms) \
+            if a.abort_every else None
+        self.faulty = bool(a.ucx_fault_lib) or bool(a.kill)
+        self.reference: dict[str, list[int]] = {}
+        self.reference_ttft: dict[str, list[int]] = {}
+        self.runs: dict[str, ModeRun] = {}
+        self.notes: list[str] = []
+
+    # ---- instances -------------------------------------------------------------------
+    def _instance(self, run: ModeRun, role: str, gpu: str) -> ManagedProcess:
+        a, mode = self.a, run.mode
+        cfg = {"single": mode.single, "prefill": mode.prefill, "decode": mode.decode}[role]
+        port, side = self.http_ports.take(), self.side_ports.take()
+        ipc = f"kvpd_{self.run_tag}_{mode.name}_{role}".replace("-", "_")
+        engine_id = f"load-{mode.name}-{role}-{self.run_tag}"
+        kvt = None if role == "single" else kv_transfer_config(
+            mode.connector, "kv_producer" if role == "prefill" else "kv_consumer", engine_id)
+        env = instance_env(cfg, gpu, side, ipc, self.settings.logging_config_path)
+        extra: dict[str, str] = {}
+        if a.batch_invariant:
+            extra["VLLM_BATCH_INVARIANT"] = "1"
+        if role != "single":
+            if a.abort_timeout_s:
+                extra["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] = str(int(a.abort_timeout_s))
+            if a.trace and cfg.env.get("KVCACHED_PD") == "1":
+                extra["KVCACHED_PD_TRACE"] = "1"
+            if a.ucx_fault_lib and a.ucx_fault_on in (role, "both"):
+                extra["LD_PRELOAD"] = a.ucx_fault_lib
+                if a.ucx_fault_control == "env":
+                    extra.update(UCX_FAULT_ENABLED="1", UCX_FAULT_STRATEGY="pattern",
+                                 UCX_FAULT_PATTERN=a.ucx_fault_pattern)
+        env.update(extra)
+        shown = dict(cfg.env, CUDA_VISIBLE_DEVICES=gpu, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side),
+                     KVCACHED_IPC_NAME=ipc, **extra)
+        cmd = self.settings.vllm_cmd + serve_args(self.settings, port, cfg.block_size, kvt)
+        proc = ManagedProcess(f"{mode.name}/{role}", cmd, env,
+                              os.path.join(self.logs, f"{mode.name}-{role}.log"),
+                              f"http://127.0.0.1:{port}/health")
+        run.ports[role] = {"http": port, "side_channel": side, "gpu": gpu,
+                           "engine_id": engine_id, "flavor": cfg.flavor, "env": shown,
+                           "kvcached_pd_expected": cfg.env.get("KVCACHED_PD") == "1",
+                           "staging_expected": staging_expected(cfg.env)}
+        proc.start(shown)
+        return proc
+
+    def start(self, modes: list[Mode]) -> None:
+        a = self.a
+        for mode in modes:
+            run = self.runs[mode.name] = ModeRun(mode)
+            roles = [("single", a.prefill_gpu)] if not mode.is_pd else \
+                [("prefill", a.prefill_gpu), ("decode", a.decode_gpu)]
+            for role, gpu in roles:
+                run.instances[role] = self._instance(run, role, str(gpu))
+        procs = [p for r in self.runs.values() for p in r.instances.values()]
+        wait_until_ready(procs, min(a.health_timeout,
+                                    max(10.0, self.deadline.remaining() - a.reserve_s)))
+        for run in self.runs.values():
+            bad = [p for p in run.instances.values() if p.state != "ready"]
+            if bad:
+                run.infra_error = "; ".join(f"{p.name}: {p.failure}" for p in bad)
+                run.broken = "did not start"
+            elif run.mode.is_pd:
+                port = self.proxy_ports.take()
+                cmd = [sys.executable, os.path.join(HERE, "pd_proxy.py"), "--port", str(port),
+                       "--prefill", run.base("prefill"), "--decode", run.base("decode"),
+                       "--timeout", str(a.request_timeout)]
+                run.proxy = ManagedProcess(f"{run.mode.name}/proxy", cmd, neutral_env(),
+                                           os.path.join(self.logs, f"{run.mode.name}-proxy.log"),
+                                           f"http://127.0.0.1:{port}/healthz")
+                run.proxy.start()
+                run.url = f"http://127.0.0.1:{port}"
+            else:
+                run.url = run.base("single")
+        wait_until_ready([r.proxy for r in self.runs.values() if r.proxy], 30.0, poll_s=0.2)
+        for run in self.runs.values():
+            if run.proxy is not None and run.proxy.state != "ready":
+                run.infra_error, run.broken = f"proxy: {run.proxy.failure}", "proxy did not start"
+        if a.ucx_fault_lib and a.ucx_fault_control == "file":
+            self._write_fault_commands()
+
+    def _write_fault_commands(self) -> None:
+        """Older injector builds take commands from a file they watch, only those stamped
+        after they loaded: written once every instance is up."""
+        stamp = int(time.time()) + 1
+        time.sleep(1.1)
+        with open(UCX_FAULT_COMMANDS, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"timestamp": stamp, "command": "set_pattern",
+                                "pattern": self.a.ucx_fault_pattern}) + "\n")
+            f.write(json.dumps({"timestamp": stamp, "command": "toggle"}) + "\n")
+        log(f"UCX fault commands written to {UCX_FAULT_COMMANDS}")
+
+    # ---- metrics ---------------------------------------------------------------------
+    def scrape(self, run: ModeRun) -> dict[str, MetricSnapshot | None]:
+        return {role: scrape_metrics(run.base(role)) if p.alive() else None
+                for role, p in run.instances.items()}
+
+    def settle_staging(self, run: ModeRun, window_s: float) -> dict[str, dict]:
+        """Poll the staging gauges until every expected one reads 0, or the window ends."""
+        gauges = {"prefill": M.KVPD_P_STAGING, "decode": M.KVPD_D_STAGING}
+        t0 = time.monotonic()
+        readings: dict[str, dict] = {}
+        while True:
+            readings = {}
+            for role, name in gauges.items():
+                expected = run.ports[role]["staging_expected"] and role != run.killed
+                snap = scrape_metrics(run.base(role)) if expected else None
+                readings[role] = {"expected": expected, "settle_s": time.monotonic() - t0,
+                                  "bytes": snap.total(name) if snap is not None else None}
+            pending = [r for r in readings.values() if r["expected"] and r["bytes"] != 0]
+            if not pending or time.monotonic() - t0 > window_s:
+                return readings
+            if all(r["bytes"] is None for r in pending) and time.monotonic() - t0 > 2.0:
+                return readings  # absent, not draining: no point waiting the window out
+            time.sleep(0.25)
+
+    def proxy_stats(self, run: ModeRun) -> dict:
+        if run.proxy is None:
+            return {}
+        res = get(run.url + "/healthz", timeout=5)
+        try:
+            return res.json() if res.ok else {}
+        except ValueError:
+            return {}
+
+    # ---- one load of one mode --------------------------------------------------------
+    def one_repeat(self, run: ModeRun, index: int, kill: bool) -> dict:
+        a = self.a
+        before = self.scrape(run)
+        proxy_before = self.proxy_stats(run)
+        timer = None
+
+        def arm_kill():
+            nonlocal timer
+            if kill:
+                victim = run.instances[a.kill]
+                timer = threading.Timer(a.kill_at_s, self._kill, (run, victim))
+                timer.daemon = True
+                timer.start()
+
+        t0 = time.monotonic()
+        requests = run_load(run.url, a.model, self.prompts, a.max_tokens, a.concurrency,
+                            a.request_timeout, self.aborts, on_start=arm_kill)
+        wall = time.monotonic() - t0
+        if timer is not None:
+            timer.join()
+        rep: dict = {"repeat": index, "wall_s": round(wall, 3), "kill": kill and a.kill}
+        rep["n_sent"] = len(requests)
+        rep["n_completed"] = sum(r["ok"] for r in requests)
+        rep["n_aborted"] = {leg: sum(r["aborted"] == leg for r in requests)
+                            for leg in ("prefill", "decode")}
+        rep["n_failed"] = sum(not r["ok"] and not r["aborted"] for r in requests)
+        checks: dict[str, dict] = {}
+        # D's success counter covers every completed request once its stats are in
+        d_before = before.get("decode")
+        t_end = time.monotonic() + 5.0
+        while time.monotonic() < t_end and run.instances["decode"].alive():
+            done = metric_delta(d_before, scrape_metrics(run.base("decode")), M.REQUEST_SUCCESS,
+                                finished_reason="length")
+            if done is None or done >= rep["n_completed"]:
+                break
+            time.sleep(0.1)
+        d_after_load = scrape_metrics(run.base("decode")) \
+            if run.instances["decode"].alive() else None
+        if kill:  # after D's counters are read: the probes make D compute prompts itself
+            checks["survivor"] = self.survivor_check(run)
+        window = a.settle_s
+        if kill or a.ucx_fault_lib:
+            window = max(window, a.abort_timeout_s + 15)
+        readings = self.settle_staging(run, window)
+        after = self.scrape(run)
+        checks["outputs"] = check_outputs(requests, self.reference, self.faulty)
+        checks["requests"] = check_requests(requests, self.faulty)
+        checks["kv"] = check_kv_loaded(requests, d_before, d_after_load) \
+            if run.killed != "decode" else {"status": NA, "detail": "D was killed"}
+        alive = {}
+        for role, proc in run.instances.items():
+            alive[role] = {"alive": proc.alive(), "killed": role == run.killed,
+                           "health": get(proc.health_url, timeout=5).status if proc.alive() else 0}
+            if not alive[role]["alive"] and role != run.killed:
+                time.sleep(0.3)  # let the log reader drain the last lines
+                alive[role]["tail"] = proc.tail(40)
+                log(f"DIED   {proc.name} (exit code {proc.proc.returncode}); last lines of "
+                    f"{proc.log_path}:\n" + indent(proc.tail(40)))
+        checks["alive"] = check_alive(alive)
+        checks["staging"] = check_staging(readings)
+        counters = self.counters(before, after)
+        failed_xfers = sum(v for v in (counters["nixl_failed_transfers"] or {}).values()
+                           if v is not None)
+        clean = self.aborts is None and not self.faulty
+        checks["nixl"] = {"status": (FAIL if failed_xfers else PASS) if clean else NA,
+                          "detail": f"{failed_xfers:.0f} failed NIXL transfers"
+                          + ("" if clean else " (aborts/faults: reported, not checked)")}
+        if a.ucx_fault_lib:
+            checks["fault_injected"] = self.fault_evidence(run)
+        rep["checks"] = checks
+        rep["counters"] = counters
+        stats = self.proxy_stats(run)
+        rep["proxy_client_gone"] = {leg: stats.get(f"client_gone_{leg}", 0)
+                                    - proxy_before.get(f"client_gone_{leg}", 0)
+                                    for leg in ("prefill", "decode")} if stats else None
+        rep["latency"] = latency_stats(requests)
+        rep["verdict"] = verdict_of(checks)
+        rep["requests"] = requests
+        dead = checks["alive"]["dead"]
+        if dead:
+            run.broken = f"{', '.join(dead)} died in repeat {index}"
+        if kill:
+            run.broken = run.broken or f"{a.kill} killed in repeat {index}"
+        return rep
+
+    def counters(self, before: dict, after: dict) -> dict:
+        def per_side(name: str, **labels) -> dict | None:
+            vals = {role: metric_delta(before.get(role), after.get(role), name, **labels)
+                    for role in ("prefill", "decode")}
+            return vals if any(v is not None for v in vals.values()) else None
+
+        return {"direct_fallbacks": per_side(M.KVPD_FALLBACKS),
+                "staging_waits": per_side(M.KVPD_STAGING_WAITS),
+                "nixl_failed_transfers": per_side(M.NIXL_FAILED),
+                "aborted_requests": per_side(M.REQUEST_SUCCESS, finished_reason="abort")}
+
+    def fault_evidence(self, run: ModeRun) -> dict:
+        """Did the injector load? From the instance logs (it logs to stderr)."""
+        roles = ["prefill", "decode"] if self.a.ucx_fault_on == "both" else [self.a.ucx_fault_on]
+        loaded, injected = {}, {}
+        for role in roles:
+            loaded[role] = injected[role] = 0
+            try:
+                with open(run.instances[role].log_path, encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        loaded[role] += bool(_UCX_FAULT_LOADED.search(line))
+                        injected[role] += bool(_UCX_FAULT_INJECTED.search(line))
+            except OSError:
+                pass
+        ok = all(loaded.values())
+        return {"status": PASS if ok else ABSENT, "loaded_lines": loaded,
+                "injected_lines": injected,
+                "detail": "injector loaded on " + ", ".join(f"{r}: {'yes' if n else 'NO'}"
+                                                            for r, n in loaded.items())
+                + "; fault lines logged: " + ", ".join(f"{r} {n}" for r, n in injected.items())
+                + ("" if ok else " (fault injection not confirmed)")}
+
+    def _kill(self, run: ModeRun, proc: ManagedProcess) -> None:
+        log(f"KILL   {proc.name}: SIGKILL to its process tree at +{self.a.kill_at_s:g}s")
+        run.killed = self.a.kill
+        proc.signal_group(signal.SIGKILL)
+
+    def survivor_check(self, run: ModeRun) -> dict:
+        """After the peer's death the survivor keeps serving: D answers plain (non-PD)
+        requests with the reference's tokens; P answers prefill legs."""
+        a = self.a
+        survivor = "decode" if a.kill == "prefill" else "prefill"
+        t_end = time.monotonic() + 10
+        while run.instances[a.kill].group_alive() and time.monotonic() < t_end:
+            time.sleep(0.1)
+        probes = sorted(self.prompts, key=lambda p: p.num_tokens)[:3]
+        results = []
+        for p in probes:
+            if survivor == "decode":
+                r = stream_completion(run.base("decode"),
+                                      completion_body(a.model, p.text, a.max_tokens),
+                                      a.request_timeout)
+                ok = r["ok"] and (p.name not in self.reference
+                                  or r["token_ids"] == self.reference[p.name])
+                results.append({"prompt": p.name, "ok": ok, "error": r["error"],
+                                "matches_reference": r["token_ids"] == self.reference.get(p.name)})
+            else:
+                body = {"model": a.model, "prompt": p.text, "max_tokens": 1, "temperature": 0.0,
+                        "kv_transfer_params": dict(PREFILL_KV_PARAMS)}
+                r = post_json(run.base("prefill") + "/v1/completions", body,
+                              timeout=a.request_timeout)
+                kvp = r.json().get("kv_transfer_params") if r.ok else None
+                results.append({"prompt": p.name, "ok": bool(kvp),
+                                "error": None if kvp else f"HTTP {r.status} {r.error or ''}"})
+        ok = all(x["ok"] for x in results)
+        what = "plain requests" if survivor == "decode" else "prefill legs"
+        return {"status": PASS if ok else FAIL, "survivor": survivor, "probes": results,
+                "detail": f"{survivor} answered {sum(x['ok'] for x in results)}/{len(results)} "
+                          f"{what} after {a.kill} was killed"}
+
+    # ---- reference, warm-up, TTFT ------------------------------------------------------
+    def warm_up(self, run: ModeRun) -> None:
+        body = completion_body(self.a.model, make_prompt_text(32, seed=99), 2)
+        r = stream_completion(run.url, body, self.a.request_timeout)
+        if not r["ok"]:
+            log(f"{run.mode.name}: warm-up request failed: {r['error']}")
+
+    def run_reference(self, run: ModeRun) -> None:
+        a = self.a
+        requests = run_load(run.url, a.model, self.prompts, a.max_tokens, a.concurrency,
+                            a.request_timeout)
+        self.reference = {r["name"]: r["token_ids"] for r in requests if r["ok"]}
+        bad = [r for r in requests if not r["ok"]]
+        checks = {"requests": check_requests(requests, False)}
+        alive = {"single": {"alive": run.instances["single"].alive(), "killed": False,
+                            "health": get(run.instances["single"].health_url).status}}
+        checks["alive"] = check_alive(alive)
+        run.repeats.append({"repeat": 0, "n_sent": len(requests),
+                            "n_completed": len(requests) - len(bad), "n_failed": len(bad),
+                            "n_aborted": {}, "checks": checks, "verdict": verdict_of(checks),
+                            "latency": latency_stats(requests), "requests": requests})
+        log(f"reference: {len(requests) - len(bad)}/{len(requests)} requests ok")
+
+    def ttft_batch(self, run: ModeRun) -> dict:
+        a = self.a
+        requests = run_load(run.url, a.model, self.ttft_prompts, a.max_tokens,
+                            len(self.ttft_prompts), a.request_timeout)
+        if run.mode.name == "reference":
+            self.reference_ttft = {r["name"]: r["token_ids"] for r in requests if r["ok"]}
+            outputs = {"status": NA, "detail": "the reference"}
+        else:
+            outputs = check_outputs(requests, self.reference_ttft)
+        lat = latency_stats(requests)
+        vals = [r["ttft_s"] for r in requests if r["ok"] and r["ttft_s"] is not None]
+        lat["ttft_max_ms"] = ms(max(vals)) if vals else None
+        log(f"  {run.mode.name:<14} TTFT batch {len(requests)} x {a.ttft_prompt_tokens} tokens: "
+            f"p50 {lat['ttft_p50_ms']} ms, max {lat['ttft_max_ms']} ms, {lat['n']} ok")
+        return {"latency": lat, "outputs": outputs, "requests": requests}
+
+    # ---- the whole run ---------------------------------------------------------------
+    def run(self) -> None:
+        a = self.a
+        modes = load_modes(a.modes, a.kvcached_layout)
+        self.start(modes)
+        ref = self.runs["reference"]
+        pd_runs = [r for r in self.runs.values() if r.mode.is_pd]
+        for run in self.runs.values():
+            if run.broken is None:
+                self.warm_up(run)
+        if ref.broken:
+            self.notes.append(f"the reference did not start ({ref.infra_error}): nothing to "
+                              "compare with")
+            return
+        self.run_reference(ref)
+        self.write()
+        if a.ttft_batch:
+            for run in [ref] + pd_runs:
+                if run.broken is None and not self.deadline.expired(a.reserve_s + 30):
+                    run.ttft = self.ttft_batch(run)
+        steps: list[float] = []  # how long one repeat of one mode took, so far
+        for index in range(1, a.repeats + 1):
+            for run in pd_runs:
+                if run.broken:
+                    continue
+                window = a.abort_timeout_s + 15 if (a.kill and index == a.repeats) or \
+                    a.ucx_fault_lib else a.settle_s
+                step_s = max(steps) if steps else 30.0
+                if self.deadline.remaining() < a.reserve_s + step_s + window:
+                    self.notes.append(f"{run.mode.name}: repeat {index} not run: out of time "
+                                      "(--deadline-s)")
+                    continue
+                t0 = time.monotonic()
+                rep = self.one_repeat(run, index, kill=bool(a.kill) and index == a.repeats)
+                steps.append(time.monotonic() - t0)
+                run.repeats.append(rep)
+                lat = rep["latency"]
+                log(f"{run.mode.name:<14} repeat {index}: {rep['verdict']}  "
+                    f"{rep['n_completed']}/{rep['n_sent']} completed, aborted "
+                    f"{rep['n_aborted']['prefill']}+{rep['n_aborted']['decode']}, "
+                    f"failed {rep['n_failed']}; e2e p50 {lat['e2e_p50_ms']} ms p90 "
+                    f"{lat['e2e_p90_ms']} ms; "
+                    + "; ".join(f"{k} {c['status']}" for k, c in rep["checks"].items()))
+                self.write()
+
+    # ---- outputs ---------------------------------------------------------------------
+    def mode_result(self, run: ModeRun) -> dict:
+        reps = [r for r in run.repeats if r["repeat"] > 0] if run.mode.is_pd else run.repeats
+        checks_seen: dict[str, list[str]] = {}
+        for rep in reps:
+            for name, c in rep["checks"].items():
+                checks_seen.setdefault(name, []).append(c["status"])
+        if run.ttft and run.ttft["outputs"]["status"] != NA:
+            checks_seen.setdefault("ttft_outputs", []).append(run.ttft["outputs"]["status"])
+        reasons = [f"repeat {rep['repeat']}: {name}: {c['detail']}" for rep in reps
+                   for name, c in rep["checks"].items() if c["status"] in (FAIL, ABSENT)]
+        if run.ttft and run.ttft["outputs"]["status"] in (FAIL, ABSENT):
+            reasons.append(f"TTFT batch: {run.ttft['outputs']['detail']}")
+        # kvcached-pd ran exactly where the mode says (from each instance's log)
+        evidence = {role: kvcached_pd_evidence(p.log_path) for role, p in run.instances.items()}
+        wrong = []
+        for role, ev in evidence.items():
+            expected = run.ports.get(role, {}).get("kvcached_pd_expected", False)
+            if not expected and ev["applied"]:
+                wrong.append(f"kvcached-pd patched {role} although KVCACHED_PD=0: {ev['applied']}")
+            if expected and ev["failed"]:
+                wrong.append(f"kvcached-pd patches failed on {role}: {ev['failed']}")
+        if reps:
+            checks_seen["activation"] = [FAIL if wrong else PASS]
+            reasons.extend(wrong)
+        if run.infra_error:
+            verdict = "FAIL"
+            reasons.insert(0, run.infra_error)
+        elif not reps:
+            verdict = "NOT RUN"
+        else:
+            verdict = verdict_of({k: {"status": FAIL if FAIL in v else
+                                      (ABSENT if ABSENT in v else PASS)}
+                                  for k, v in checks_seen.items()})
+        pooled = [q for rep in reps for q in rep["requests"]]
+
+        def total(key, side=None):
+            vals = []
+            for rep in reps:
+                c = (rep.get("counters") or {}).get(key)
+                if c is None:
+                    continue
+                vals.extend(v for s, v in c.items() if v is not None and side in (None, s))
+            return sum(vals) if vals else None
+
+        return {
+            "mode": run.mode.name, "description": run.mode.description,
+            "connector": run.mode.connector, "verdict": verdict, "reasons": reasons,
+            "instances": run.ports, "repeats_run": len(reps),
+            "checks": {k: sorted(set(v)) for k, v in checks_seen.items()},
+            "completed": sum(r["n_completed"] for r in reps),
+            "sent": sum(r["n_sent"] for r in reps),
+            "aborted": sum(sum(r["n_aborted"].values()) for r in reps),
+            "failed": sum(r["n_failed"] for r in reps),
+            "different": sum(r["checks"].get("outputs", {}).get("n_different", 0) for r in reps),
+            "deaths": sum(len(r["checks"]["alive"]["dead"]) for r in reps),
+            "staging_left_bytes": max((rd["bytes"] or 0 for r in reps
+                                       for rd in r["checks"].get("staging", {})
+                                       .get("readings", {}).values() if rd["expected"]),
+                                      default=None),
+            "direct_fallbacks": {s: total("direct_fallbacks", s) for s in ("prefill", "decode")},
+            "staging_waits": {s: total("staging_waits", s) for s in ("prefill", "decode")},
+            "nixl_failed_transfers": total("nixl_failed_transfers"),
+            "latency": latency_stats(pooled),
+            "ttft_batch": run.ttft["latency"] if run.ttft else None,
+            "kvcached_pd": evidence,
+        }
+
+    def write(self) -> dict:
+        results = {name: self.mode_result(run) for name, run in self.runs.items()}
+        van = results.get("vanilla")
+        for res in results.values():
+            res["vs_vanilla"] = _ratios(res, van) if van and res is not van else None
+        pd_verdicts = [r["verdict"] for n, r in results.items() if n != "reference"]
+        ref_v = results.get("reference", {}).get("verdict")
+        if "FAIL" in pd_verdicts or ref_v != "PASS" or not pd_verdicts:
+            overall = "FAIL"
+        elif "UNPROVEN" in pd_verdicts or "NOT RUN" in pd_verdicts:
+            overall = "UNPROVEN"
+        else:
+            overall = "PASS"
+        a = self.a
+        doc = {"overall": overall, "run_tag": self.run_tag,
+               "elapsed_s": round(self.deadline.elapsed(), 1),
+               "config": {k: v for k, v in vars(a).items()},
+               "load": {"requests": len(self.prompts), "concurrency": a.concurrency,
+                        "prompt_tokens": [p.num_tokens for p in self.prompts],
+                        "max_tokens": a.max_tokens,
+                        "aborts": self.aborts.describe() if self.aborts else None,
+                        "kvcached_layout": a.kvcached_layout},
+               "notes": self.notes, "modes": results}
+        write_json(os.path.join(self.out, "summary.json"), doc)
+        for name, run in self.runs.items():
+            write_json(os.path.join(self.out, "modes", f"{name}.json"),
+                       {**results[name], "repeats": run.repeats, "ttft": run.ttft})
+        with open(os.path.join(self.out, "summary.txt"), "w", encoding="utf-8") as f:
+            f.write(render_summary(doc))
+        self._write_csv(doc)
+        return doc
+
+    def _write_csv(self, doc: dict) -> None:
+        cols = ["mode", "repeat", "verdict", "sent", "completed", "aborted", "failed",
+                "e2e_p50_ms", "e2e_p90_ms", "ttft_p50_ms", "ttft_p90_ms", "prefill_p50_ms",
+                "prefill_p90_ms", "decode_p50_ms", "decode_p90_ms"]
+        with open(os.path.join(self.out, "latency.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=cols)
+            w.writeheader()
+            for name, run in self.runs.items():
+                for rep in run.repeats:
+                    w.writerow({"mode": name, "repeat": rep["repeat"], "verdict": rep["verdict"],
+                                "sent": rep["n_sent"], "completed": rep["n_completed"],
+                                "aborted": sum(rep["n_aborted"].values()),
+                                "failed": rep["n_failed"],
+                                **{k: v for k, v in rep["latency"].items() if k in cols}})
+                if run.ttft:
+                    w.writerow({"mode": name, "repeat": "ttft-batch",
+                                "completed": run.ttft["latency"]["n"],
+                                **{k: v for k, v in run.ttft["latency"].items() if k in cols}})
+
+
+def _ratios(res: dict, van: dict) -> dict:
+    out = {}
+    for group, key in (("latency", "e2e_p50_ms"), ("latency", "e2e_p90_ms"),
+                       ("latency", "ttft_p50_ms"), ("latency", "prefill_p50_ms"),
+                       ("latency", "decode_p50_ms"), ("ttft_batch", "ttft_p50_ms")):
+        mine, theirs = (res.get(group) or {}).get(key), (van.get(group) or {}).get(key)
+        out[f"{group}.{key}"] = round(mine / theirs, 2) if mine and theirs else None
+    return out
+
+
+def _f(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def render_summary(doc: dict) -> str:
+    load = doc["load"]
+    lines = [f"kvcached-pd load ({time.strftime('%Y-%m-%d %H:%M:%S')}, {doc['elapsed_s']}s): "
+             f"{doc['overall']}",
+             f"load: {load['requests']} requests, {load['concurrency']} at a time, prompts "
+             f"{min(load['prompt_tokens'], default=0)}-{max(load['prompt_tokens'], default=0)} "
+             f"tokens, {load['max_tokens']} tokens out; aborts: {load['aborts'] or 'none'}; "
+             f"kvcached layout: {load['kvcached_layout']}", ""]
+    hdr = (f"{'mode':<14} {'verdict':<9} {'done/sent':>10} {'abort':>5} {'fail':>4} "
+           f"{'diff':>4} {'dead':>4} {'staging':>8} {'fallbk P/D':>10} {'waits P/D':>9} "
+           f"{'nixlF':>5}  checks")
+    lines += [hdr, "-" * len(hdr)]
+
+    def pair(d):
+        return "/".join("-" if d.get(s) is None else f"{d[s]:.0f}" for s in ("prefill", "decode"))
+
+    for name, r in doc["modes"].items():
+        staged = any(i.get("staging_expected") for i in r["instances"].values())
+        staging = "n/a" if not staged else (
+            "absent" if "absent" in r["checks"].get("staging", []) else
+            ("-" if r["staging_left_bytes"] is None else f"{r['staging_left_bytes']:.0f}B"))
+        checks = ",".join(f"{k}:{'/'.join(v)}" for k, v in r["checks"].items())
+        done = f"{r['completed']}/{r['sent']}"
+        lines.append(f"{name:<14} {r['verdict']:<9} {done:>10} "
+                     f"{r['aborted']:>5} {r['failed']:>4} {r['different']:>4} {r['deaths']:>4} "
+                     f"{staging:>8} {pair(r['direct_fallbacks']):>10} "
+                     f"{pair(r['staging_waits']):>9} {_f(r['nixl_failed_transfers'], 0):>5}  "
+                     f"{checks}")
+    lines += ["", "Latency over completed requests, ms (p50 / p90), and p50 ratio to vanilla PD:"]
+    hdr = (f"{'mode':<14} {'n':>5} {'end-to-end':>15} {'TTFT':>15} {'P leg':>15} {'D leg':>15} "
+           f"{'e2e x':>6} {'e2e90 x':>7} {'TTFT x':>6} {'P x':>5} {'D x':>5}")
+    lines += [hdr, "-" * len(hdr)]
+    for name, r in doc["modes"].items():
+        lat, v = r["latency"], r.get("vs_vanilla") or {}
+
+        def pp(k):
+            return f"{_f(lat.get(k + '_p50_ms'))} / {_f(lat.get(k + '_p90_ms'))}"
+
+        lines.append(f"{name:<14} {lat['n']:>5} {pp('e2e'):>15} {pp('ttft'):>15} "
+                     f"{pp('prefill'):>15} {pp('decode'):>15} "
+                     f"{_f(v.get('latency.e2e_p50_ms'), 2):>6} "
+                     f"{_f(v.get('latency.e2e_p90_ms'), 2):>7} "
+                     f"{_f(v.get('latency.ttft_p50_ms'), 2):>6} "
+                     f"{_f(v.get('latency.prefill_p50_ms'), 2):>5} "
+                     f"{_f(v.get('latency.decode_p50_ms'), 2):>5}")
+    if any(r.get("ttft_batch") for r in doc["modes"].values()):
+        lines += ["", "TTFT batch (concurrent long prompts), ms:"]
+        for name, r in doc["modes"].items():
+            t = r.get("ttft_batch")
+            if t:
+                x = (r.get("vs_vanilla") or {}).get("ttft_batch.ttft_p50_ms")
+                lines.append(f"  {name:<14} n {t['n']:>2}  p50 {_f(t['ttft_p50_ms'])}  p90 "
+                             f"{_f(t['ttft_p90_ms'])}  max {_f(t.get('ttft_max_ms'))}  "
+                             f"x vanilla {_f(x, 2)}")
+    details = [(n, line) for n, r in doc["modes"].items() for line in r["reasons"]]
+    if details or doc["notes"]:
+        lines += ["", "Details:"]
+        lines += [f"  {n}: {line}" for n, line in details]
+        lines += [f"  note: {n}" for n in doc["notes"]]
+    if doc.get("timeline"):
+        lines += ["", doc["timeline"].rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(model: str) -> int | None:
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+        return cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * (4 if "32" in dtype else 2)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="/tmp/tiny")
+    ap.add_argument("--modes", default=",".join(LOAD_DEFAULT_MODES),
+                    help=f"PD modes, comma-separated; known: {', '.join(LOAD_FLAVOURS)}")
+    ap.add_argument("--kvcached-layout", choices=sorted(KVCACHED_LAYOUTS), default="contiguous",
+                    help="contiguous: kvcached's default (KVCACHED_CONTIGUOUS_LAYOUT unset); "
+                         "split: KVCACHED_CONTIGUOUS_LAYOUT=false")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="default 64 (tiny model) or 48 (a model with >= 128 KiB KV per token)")
+    ap.add_argument("--concurrency", type=int, default=None, help="default 16 or 8, likewise")
+    ap.add_argument("--min-prompt-tokens", type=int, default=8)
+    ap.add_argument("--max-prompt-tokens", type=int, default=3800)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--abort-every", type=int, default=0,
+                    help="the client drops every k-th request (0: none)")
+    ap.add_argument("--abort-prefill-ms", type=float, default=None,
+                    help="... during its P leg, this long after sending")
+    ap.add_argument("--abort-decode-ms", type=float, default=None,
+                    help="... during its D leg, this long after D's stream started")
+    ap.add_argument("--issue-aborts", action="store_true",
+                    help="the issue's failing case: every 9th, P leg 50 ms, D leg 10 ms")
+    ap.add_argument("--ttft-batch", type=int, default=0,
+                    help="also N concurrent --ttft-prompt-tokens prompts per mode (0: off)")
+    ap.add_argument("--ttft-prompt-tokens", type=int, default=3000)
+    ap.add_argument("--ucx-fault-lib", default=None,
+                    help="LD_PRELOAD this UCX fault injector (libucx_fault_injector.so)")
+    ap.add_argument("--ucx-fault-pattern", default="OOOOOOOOOOOOOOOX",
+                    help="X fails that UCX operation, O lets it pass (vLLM's test: every 16th)")
+    ap.add_argument("--ucx-fault-on", choices=("decode", "prefill", "both"), default="decode")
+    ap.add_argument("--ucx-fault-control", choices=("env", "file"), default="env",
+                    help="env: UCX_FAULT_ENABLED/STRATEGY/PATTERN at start; file: commands "
+                         f"written to {UCX_FAULT_COMMANDS} once up (older injector builds)")
+    ap.add_argument("--kill", choices=("prefill", "decode"), default=None,
+                    help="SIGKILL this instance's process tree during the last repeat")
+    ap.add_argument("--kill-at-s", type=float, default=None, help="seconds into that load")
+    ap.add_argument("--abort-timeout-s", type=float, default=None,
+                    help="VLLM_NIXL_ABORT_REQUEST_TIMEOUT on PD instances (default: 20 with "
+                         "--kill or --ucx-fault-lib, else vLLM's own, 480)")
+    ap.add_argument("--settle-s", type=float, default=10.0,
+                    help="how long staging may take to drain once the requests are done")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="VLLM_BATCH_INVARIANT=1 on every instance: concurrent greedy outputs "
+                         "independent of batch composition (else PD and the reference may "
+                         "differ by bf16 numerics alone)")
+    ap.add_argument("--trace", action="store_true",
+                    help="KVCACHED_PD_TRACE=1 on kvcached-pd instances; per-stage timeline")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="KV budget per instance; default from the load (concurrency x longest "
+                         "prompt x KV per token x 1.5, at least 2 GiB)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--prefill-gpu", default="0", help="P's GPU; the reference runs there too")
+    ap.add_argument("--decode-gpu", default="1")
+    ap.add_argument("--health-timeout", type=float, default=300.0)
+    ap.add_argument("--request-timeout", type=float, default=60.0)
+    ap.add_argument("--deadline-s", type=float, default=540.0)
+    ap.add_argument("--reserve-s", type=float, default=25.0,
+                    help="time kept for shutdown and writing results")
+    ap.add_argument("--vllm-cmd", default=os.environ.get("KVPD_VLLM_CMD"),
+                    help="command that runs `vllm serve` (default: $KVPD_VLLM_CMD, else this "
+                         "python -m vllm.entrypoints.cli.main serve)")
+    ap.add_argument("--extra-serve-args", default="")
+    ap.add_argument("--environment", action=argparse.BooleanOptionalAction, default=True,
+                    help="write environment.json (versions, GPUs; importing vLLM takes seconds)")
+    ap.add_argument("--port-base", type=int, default=HTTP_PORT_BASE + 400)
+    ap.add_argument("--side-channel-port-base", type=int, default=SIDE_CHANNEL_PORT_BASE + 400)
+    ap.add_argument("--proxy-port-base", type=int, default=PROXY_PORT_BASE + 400)
+    a = ap.parse_args(argv)
+    validate(ap, a)
+    return a
+
+
+def validate(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Every inconsistency is an error now, before any server starts."""
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for m in a.modes:
+        if m not in LOAD_FLAVOURS:
+            ap.error(f"--modes: unknown mode {m!r}; known: {', '.join(LOAD_FLAVOURS)}")
+    if not a.modes:
+        ap.error("--modes: name at least one PD mode")
+    if "kvpd-direct" in a.modes and a.kvcached_layout != "split":
+        ap.error("--modes kvpd-direct needs --kvcached-layout split (kvcached's NIXL path "
+                 "registers the split layout)")
+    if a.issue_aborts:
+        a.abort_every, a.abort_prefill_ms, a.abort_decode_ms = 9, 50.0, 10.0
+    if a.abort_every < 0:
+        ap.error("--abort-every must be >= 0")
+    if a.abort_every and a.abort_prefill_ms is None and a.abort_decode_ms is None:
+        ap.error("--abort-every needs --abort-prefill-ms and/or --abort-decode-ms")
+    if not a.abort_every and (a.abort_prefill_ms is not None or a.abort_decode_ms is not None):
+        ap.error("--abort-prefill-ms/--abort-decode-ms need --abort-every K")
+    if (a.kill is None) != (a.kill_at_s is None):
+        ap.error("--kill and --kill-at-s go together")
+    if a.ucx_fault_lib and not os.path.isfile(a.ucx_fault_lib):
+        ap.error(f"--ucx-fault-lib {a.ucx_fault_lib}: no such file")
+    if a.ucx_fault_lib and (not set(a.ucx_fault_pattern) <= {"X", "O"}
+                            or "X" not in a.ucx_fault_pattern):
+        ap.error("--ucx-fault-pattern: only X (fail) and O (pass), at least one X")
+    if a.abort_timeout_s is None:  # a dead peer or a failed READ: P frees at the timeout
+        a.abort_timeout_s = 20.0 if a.kill or a.ucx_fault_lib else 0.0
+    if a.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    kv_per_token = kv_bytes_per_token(a.model)
+    if kv_per_token is None and not a.vllm_cmd and not os.path.isdir(a.model):
+        ap.error(f"--model {a.model}: no such model folder (make it with "
+                 "gpu_host/make_test_model.py)")
+    preset = LOAD_PRESETS["kvbig" if (kv_per_token or 0) >= KVBIG_BYTES_PER_TOKEN else "tiny"]
+    a.requests = a.requests if a.requests is not None else preset["requests"]
+    a.concurrency = a.concurrency if a.concurrency is not None else preset["concurrency"]
+    if a.requests < 1 or a.concurrency < 1:
+        ap.error("--requests and --concurrency must be >= 1")
+    room = a.max_model_len - a.max_tokens
+    if a.max_prompt_tokens > room:
+        ap.error(f"--max-prompt-tokens {a.max_prompt_tokens} + --max-tokens {a.max_tokens} "
+                 f"exceed --max-model-len {a.max_model_len}")
+    if a.ttft_batch and a.ttft_prompt_tokens > room:
+        ap.error(f"--ttft-prompt-tokens {a.ttft_prompt_tokens} does not fit --max-model-len")
+    if a.kv_cache_gib is None:
+        need = a.concurrency * a.max_prompt_tokens * (kv_per_token or 32 * 1024) * 1.5
+        a.kv_cache_gib = max(2.0, float(-(-need // (1 << 30))))
+    a.kv_bytes_per_token = kv_per_token
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    h = LoadHarness(a)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    log(f"pd_load: modes {', '.join(a.modes)} + reference on {a.model}; {a.requests} requests, "
+        f"{a.concurrency} at a time, {a.repeats} repeat(s); "
+        f"aborts: {h.aborts.describe() if h.aborts else 'none'} -> {h.out}")
+    env_thread = describe_environment(os.path.join(h.out, "environment.json")) \
+        if a.environment else None
+    try:
+        h.run()
+    except KeyboardInterrupt:
+        h.notes.append("interrupted: results as far as they got")
+        log("interrupted: writing what was measured")
+    finally:
+        stop_all([p for r in h.runs.values() for p in r.procs()])
+    if env_thread is not None:
+        env_thread.join(timeout=30)
+    doc = h.write()
+    if a.trace:
+        try:
+            import trace_timeline
+            text = trace_timeline.render(trace_timeline.summarize(h.logs))
+            with open(os.path.join(h.out, "timeline.txt"), "w", encoding="utf-8") as f:
+                f.write(text)
+            doc["timeline"] = text
+            with open(os.path.join(h.out, "summary.txt"), "w", encoding="utf-8") as f:
+                f.write(render_summary(doc))
+        except Exception as exc:  # the timeline is a bonus; never lose the summary for it
+            log(f"trace timeline failed: {type(exc).__name__}: {exc}")
+    with open(os.path.join(h.out, "summary.txt"), encoding="utf-8") as f:
+        print(f.read(), flush=True)
+    return {"PASS": 0, "UNPROVEN": 2}.get(doc["overall"], 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

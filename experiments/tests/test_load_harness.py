@@ -1,0 +1,312 @@
+"""Offline tests of the load harness (pd_load.py) and the proxy's abort propagation,
+against fake_vllm.py: no GPU, no vLLM needed.
+
+Each failure the harness exists to catch is made to happen on the fake and must fail the
+mode: a differing output, a dead server, staging left behind; a metric the instance does
+not export must not pass.
+
+run: python -m pytest experiments/tests/test_load_harness.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXP = os.path.dirname(HERE)
+sys.path.insert(0, EXP)
+
+import load_checks  # noqa: E402
+import load_client  # noqa: E402
+import pd_common  # noqa: E402
+import pd_load  # noqa: E402
+import pd_modes  # noqa: E402
+import pd_proxy  # noqa: E402
+import pd_servers  # noqa: E402
+
+FAKE = [sys.executable, os.path.join(HERE, "fake_vllm.py")]
+_ports = pd_servers.PortAllocator(33000)
+
+# A load the fake serves in about a second per mode: prefills of 20 ms per 1000 tokens,
+# a streamed token every 3 ms, so that aborts land during either leg.
+SLOW = {"FAKE_VLLM_PREFILL_MS_PER_KTOK": "20", "FAKE_VLLM_TOKEN_MS": "3"}
+# ... and one of ~1.5 s (16 tokens of 30 ms, three waves), so that a kill at 0.9 s lands
+# after the first wave completed and before the last, even on a loaded 2-core machine
+KILLABLE = {"FAKE_VLLM_TOKEN_MS": "30"}
+
+
+def _run_load(tmp_path, *args, env_extra=None, timeout=200):
+    out = tmp_path / "load"
+    base = _ports.take()
+    cmd = [sys.executable, os.path.join(EXP, "pd_load.py"), "--out", str(out),
+           "--vllm-cmd", " ".join(FAKE), "--model", "fake-model", "--health-timeout", "30",
+           "--requests", "18", "--concurrency", "6", "--max-prompt-tokens", "3000",
+           "--port-base", str(base + 100), "--side-channel-port-base", str(base + 300),
+           "--proxy-port-base", str(base + 500), "--deadline-s", "150", "--no-environment",
+           *args]
+    env = dict(os.environ, FAKE_VLLM_START_DELAY="0.1", **dict(SLOW, **(env_extra or {})))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    summary = json.loads((out / "summary.json").read_text())
+    return res, summary, out
+
+
+# ---- the mode table --------------------------------------------------------------------
+
+
+def test_load_flavours_run_kvcached_defaults_and_pick_the_layout():
+    modes = {m.name: m for m in pd_modes.load_modes(["vanilla", "kvpd-staged", "kvpd-push"])}
+    assert list(modes) == ["reference", "vanilla", "kvpd-staged", "kvpd-push"]
+    staged = modes["kvpd-staged"].prefill.env
+    assert staged == {"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1", "KVCACHED_PD": "1",
+                      "KVCACHED_PD_TRANSPORT": "staged"}  # nothing else: kvcached's defaults
+    assert modes["kvpd-push"].connector == "NixlPushConnector"
+    assert modes["vanilla"].decode.env["ENABLE_KVCACHED"] == "false"
+    split = pd_modes.load_modes(["kvpd-staged"], layout="split")[1]
+    assert split.decode.env["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
+
+
+def test_bad_options_stop_before_any_server_starts(tmp_path, capsys):
+    for args, words in ((["--modes", "kvpd-direct"], "--kvcached-layout split"),
+                        (["--abort-every", "9"], "--abort-prefill-ms"),
+                        (["--kill", "decode"], "--kill-at-s"),
+                        (["--ucx-fault-lib", str(tmp_path / "nope.so")], "no such file"),
+                        (["--modes", "vanilla,nope"], "unknown mode"),
+                        (["--max-prompt-tokens", "4090"], "exceed --max-model-len")):
+        with pytest.raises(SystemExit):
+            pd_load.parse_args(["--out", str(tmp_path), "--model", str(tmp_path), *args])
+        assert words in capsys.readouterr().err
+    a = pd_load.parse_args(["--out", str(tmp_path), "--model", str(tmp_path), "--issue-aborts"])
+    assert (a.abort_every, a.abort_prefill_ms, a.abort_decode_ms) == (9, 50.0, 10.0)
+
+
+def test_load_prompts_are_mixed_and_deterministic():
+    prompts = pd_common.load_prompts(64)
+    assert [p.num_tokens for p in prompts] == [p.num_tokens for p in pd_common.load_prompts(64)]
+    lengths = [p.num_tokens for p in prompts]
+    assert min(lengths) < 100 and max(lengths) > 3000 and len(set(lengths)) > 60
+    assert all(len(p.text) == p.num_tokens - 1 for p in prompts)
+
+
+# ---- the checks: a missing metric is never a pass ---------------------------------------
+
+
+def test_absent_metrics_are_unproven_not_passed():
+    staging = load_checks.check_staging(
+        {"prefill": {"expected": True, "bytes": None, "settle_s": 2},
+         "decode": {"expected": True, "bytes": 0.0, "settle_s": 0}})
+    assert staging["status"] == load_checks.ABSENT
+    req = [{"ok": True, "aborted": None, "prompt_tokens": 10, "intended_prompt_tokens": 10,
+            "name": "x", "token_ids": [1]}]
+    kv = load_checks.check_kv_loaded(req, None, pd_common.MetricSnapshot())
+    assert kv["status"] == load_checks.ABSENT
+    assert load_checks.verdict_of({"staging": staging, "outputs": {"status": "pass"}}) == "UNPROVEN"
+    vanilla = load_checks.check_staging(
+        {"prefill": {"expected": False, "bytes": None, "settle_s": 0}})
+    assert vanilla["status"] == load_checks.NA
+
+
+# ---- the proxy propagates client aborts ------------------------------------------------
+
+
+@pytest.fixture
+def pd_pair(tmp_path):
+    procs = []
+
+    def make(env=None):
+        out = []
+        for role in ("kv_producer", "kv_consumer"):
+            port, side = _ports.take(), _ports.take()
+            args = ["fake-model", "--port", str(port), "--kv-transfer-config",
+                    json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                                "engine_id": role})]
+            penv = dict(os.environ, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side),
+                        FAKE_VLLM_START_DELAY="0.1", **(env or {}))
+            proc = pd_servers.ManagedProcess(role, FAKE + args, penv,
+                                             str(tmp_path / f"{role}.log"),
+                                             f"http://127.0.0.1:{port}/health")
+            proc.start()
+            out.append(proc)
+        procs.extend(out)
+        pd_servers.wait_until_ready(out, 20, poll_s=0.1)
+        assert all(p.state == "ready" for p in out)
+        return out
+
+    yield make
+    pd_servers.stop_all(procs, grace_s=3)
+
+
+def _aborts(proc) -> float:
+    snap = pd_common.scrape_metrics(proc.health_url[:-len("/health")])
+    return snap.total(pd_common.M.REQUEST_SUCCESS, finished_reason="abort")
+
+
+def _wait_for(fn, want, timeout=3.0):
+    t_end = time.monotonic() + timeout
+    while fn() < want and time.monotonic() < t_end:
+        time.sleep(0.05)
+    return fn()
+
+
+def test_proxy_cuts_the_upstream_leg_when_the_client_goes_away(pd_pair):
+    p, d = pd_pair({"FAKE_VLLM_PREFILL_MS_PER_KTOK": "1500", "FAKE_VLLM_TOKEN_MS": "50"})
+    port = _ports.take()
+    proxy = pd_proxy.PDProxy(p.health_url[:-len("/health")], d.health_url[:-len("/health")])
+    server = pd_proxy.make_server("127.0.0.1", port, proxy)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                     daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        body = load_client.completion_body("fake-model", pd_common.make_prompt_text(2000, 1), 8)
+        # P's prefill takes ~3 s: the client leaves after 1 s, during the P leg (long enough
+        # after sending that P surely has the request even on a busy machine; a client gone
+        # before the proxy sent it would leave P nothing to abort)
+        res = load_client.stream_completion(url, body, 30, abort_p_ms=1000)
+        assert res["aborted"] == "prefill" and not res["ok"]
+        assert _wait_for(lambda: _aborts(p), 1) == 1  # P aborted the prefill
+        # a short prompt: P answers quickly; D streams a token per 50 ms; leave after 75 ms
+        body = load_client.completion_body("fake-model", "hello there", 8)
+        res = load_client.stream_completion(url, body, 30, abort_d_ms=75)
+        assert res["aborted"] == "decode" and len(res["token_ids"]) < 8
+        assert _wait_for(lambda: _aborts(d), 1) == 1  # D aborted the decode
+        assert proxy.stats["client_gone_prefill"] == 1 and proxy.stats["client_gone_decode"] == 1
+        # and a request nobody drops completes, with the reference's tokens
+        res = load_client.stream_completion(url, body, 30)
+        ref = load_client.stream_completion(p.health_url[:-len("/health")], body, 30)
+        assert res["ok"] and res["token_ids"] == ref["token_ids"] and len(res["token_ids"]) == 8
+        assert res["ttft_s"] <= res["e2e_s"] and res["prefill_s"] > 0 and res["decode_s"] > 0
+    finally:
+        server.shutdown()
+
+
+# ---- the whole harness -----------------------------------------------------------------
+
+
+def test_load_with_aborts_passes_and_reports_everything(tmp_path):
+    res, summary, out = _run_load(tmp_path, "--abort-every", "3", "--abort-prefill-ms", "15",
+                                  "--abort-decode-ms", "10", "--repeats", "2",
+                                  "--ttft-batch", "2")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert summary["overall"] == "PASS"
+    modes = summary["modes"]
+    assert list(modes) == ["reference", "vanilla", "kvpd-staged", "kvpd-push"]
+    for name in ("vanilla", "kvpd-staged", "kvpd-push"):
+        m = modes[name]
+        assert m["verdict"] == "PASS" and m["repeats_run"] == 2, m["reasons"]
+        assert m["sent"] == 36 and m["aborted"] >= 6 and m["completed"] == m["sent"] - m["aborted"]
+        assert m["checks"]["outputs"] == ["pass"] and m["checks"]["kv"] == ["pass"]
+        assert m["checks"]["activation"] == ["pass"]
+        assert m["latency"]["e2e_p50_ms"] > 0 and m["latency"]["prefill_p90_ms"] > 0
+        assert m["ttft_batch"]["n"] == 2
+    assert modes["vanilla"]["checks"]["staging"] == ["n/a"]
+    assert modes["kvpd-staged"]["checks"]["staging"] == ["pass"]
+    assert modes["kvpd-staged"]["direct_fallbacks"] == {"prefill": 0, "decode": 0}
+    assert modes["kvpd-staged"]["staging_waits"] == {"prefill": None, "decode": None}
+    assert modes["kvpd-push"]["vs_vanilla"]["latency.e2e_p50_ms"] > 0
+    detail = json.loads((out / "modes" / "kvpd-staged.json").read_text())
+    reps = detail["repeats"]
+    assert sum(sum(r["proxy_client_gone"].values()) for r in reps) >= 6  # aborts propagated
+    assert sum(r["counters"]["aborted_requests"]["prefill"] for r in reps) >= 1
+    text = (out / "summary.txt").read_text()
+    assert "requests 3, 6, 9, ...: drop P leg after 15 ms / D leg after 10 ms" in text
+    assert "x vanilla" in text
+    assert (out / "latency.csv").read_text().count("\n") >= 1 + 3 * 2 + 1
+
+
+def test_a_differing_output_fails_the_mode(tmp_path):
+    res, summary, _ = _run_load(tmp_path, "--modes", "vanilla",
+                                env_extra={"FAKE_VLLM_CORRUPT_DECODE": "1"})
+    assert res.returncode == 1
+    van = summary["modes"]["vanilla"]
+    assert van["verdict"] == "FAIL" and van["checks"]["outputs"] == ["fail"]
+    assert van["different"] > 0 and any("differ from the reference" in r for r in van["reasons"])
+
+
+def test_a_dead_server_fails_the_mode_with_its_log(tmp_path):
+    res, summary, _ = _run_load(tmp_path, "--modes", "vanilla",
+                                env_extra={"FAKE_VLLM_DIE_AFTER": "8"})
+    assert res.returncode == 1
+    van = summary["modes"]["vanilla"]
+    assert van["verdict"] == "FAIL" and "fail" in van["checks"]["alive"]
+    assert van["deaths"] == 1 and any("decode is dead" in r for r in van["reasons"])
+    assert "simulated crash while serving" in res.stdout  # the log's tail is shown
+
+
+def test_staging_left_behind_fails_the_staged_modes_only(tmp_path):
+    res, summary, _ = _run_load(tmp_path, "--modes", "vanilla,kvpd-staged", "--settle-s", "1",
+                                env_extra={"FAKE_VLLM_STAGING_LEAK": "1"})
+    assert res.returncode == 1
+    staged = summary["modes"]["kvpd-staged"]
+    assert staged["verdict"] == "FAIL" and staged["checks"]["staging"] == ["fail"]
+    assert staged["staging_left_bytes"] > 0
+    assert any("still staged" in r for r in staged["reasons"])
+    assert summary["modes"]["vanilla"]["verdict"] == "PASS"
+
+
+def test_killed_prefill_leaves_a_decode_that_keeps_serving(tmp_path):
+    res, summary, out = _run_load(tmp_path, "--modes", "kvpd-staged", "--kill", "prefill",
+                                  "--kill-at-s", "0.9", "--abort-timeout-s", "2",
+                                  env_extra=KILLABLE)
+    assert res.returncode == 0, res.stdout + res.stderr
+    staged = summary["modes"]["kvpd-staged"]
+    assert staged["verdict"] == "PASS", staged["reasons"]
+    assert staged["checks"]["survivor"] == ["pass"] and staged["checks"]["requests"] == ["n/a"]
+    rep = json.loads((out / "modes" / "kvpd-staged.json").read_text())["repeats"][0]
+    assert 0 < rep["n_completed"] < rep["n_sent"]  # the kill landed mid-run
+    assert rep["checks"]["survivor"]["survivor"] == "decode"
+    assert all(p["matches_reference"] for p in rep["checks"]["survivor"]["probes"])
+
+
+def test_killed_decode_leaves_a_prefill_that_frees_its_staging(tmp_path):
+    res, summary, out = _run_load(tmp_path, "--modes", "kvpd-staged", "--kill", "decode",
+                                  "--kill-at-s", "0.9", "--abort-timeout-s", "2",
+                                  env_extra=KILLABLE)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rep = json.loads((out / "modes" / "kvpd-staged.json").read_text())["repeats"][0]
+    assert 0 < rep["n_completed"] < rep["n_sent"]  # the kill landed mid-run
+    assert rep["checks"]["survivor"]["status"] == "pass"
+    assert summary["modes"]["kvpd-staged"]["verdict"] == "PASS"
+    staging = rep["checks"]["staging"]["readings"]["prefill"]
+    # P held the dead D's extents and the probes' until vLLM's abort timeout (2 s here)
+    assert staging["bytes"] == 0 and staging["settle_s"] > 1.0
+
+
+def test_ucx_fault_injection_keeps_decode_alive_and_outputs_identical(tmp_path):
+    lib = tmp_path / "fake_ucx_fault.so"
+    lib.write_bytes(b"")  # ld.so ignores it; the fake emulates the injector
+    res, summary, out = _run_load(tmp_path, "--modes", "kvpd-staged", "--ucx-fault-lib",
+                                  str(lib), "--ucx-fault-pattern", "OOOX",
+                                  "--abort-timeout-s", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    staged = summary["modes"]["kvpd-staged"]
+    assert staged["verdict"] == "PASS", staged["reasons"]
+    assert staged["failed"] == 18 // 4 and staged["nixl_failed_transfers"] == 18 // 4
+    assert staged["checks"]["fault_injected"] == ["pass"]
+    log = (out / "logs" / "kvpd-staged-decode.log").read_text()
+    assert "# env: UCX_FAULT_PATTERN=OOOX" in log
+    assert "LD_PRELOAD" not in (out / "logs" / "kvpd-staged-prefill.log").read_text()
+
+
+def test_fault_injection_that_never_loaded_is_unproven(tmp_path):
+    lib = tmp_path / "libsomething.so"  # not the (fake) injector: nothing is injected
+    lib.write_bytes(b"")
+    res, summary, _ = _run_load(tmp_path, "--modes", "kvpd-staged", "--ucx-fault-lib", str(lib),
+                                "--abort-timeout-s", "1")
+    assert res.returncode == 2
+    assert summary["overall"] == "UNPROVEN"
+    assert summary["modes"]["kvpd-staged"]["checks"]["fault_injected"] == ["absent"]
+
+
+def test_kvcached_pd_where_the_mode_has_none_fails_it(tmp_path):
+    res, summary, _ = _run_load(tmp_path, "--modes", "vanilla",
+                                env_extra={"FAKE_VLLM_PD_ALWAYS": "1"})
+    assert res.returncode == 1
+    van = summary["modes"]["vanilla"]
+    assert van["checks"]["activation"] == ["fail"]
+    assert any("although KVCACHED_PD=0" in r for r in van["reasons"])
