@@ -185,7 +185,9 @@ def test_many_aborts_leak_nothing(scheduler):
     from vllm.v1.request import RequestStatus
 
     st = staging(scheduler)
-    scheduler.max_num_scheduled_tokens = 512  # several prefills per step, long ones chunked
+    # several prefills per step, long ones chunked (0.28 also reads the config's budget)
+    scheduler.max_num_scheduled_tokens = 512
+    scheduler.scheduler_config.max_num_batched_tokens = 512
     queue = BatchQueue(scheduler)
     aborted = 0
     awaiting_decode: set[str] = set()  # finished on P, extent handed to D
