@@ -29,6 +29,7 @@ from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_k
 from kvcached_pd.transport.pack import (
     PLAN_ATTR,
     _build_plan,
+    select_kernel,
     pack_request,
     pack_request_reference,
     unpack_reference,
@@ -110,13 +111,17 @@ def test_non_contiguous_geometry_does_not_interleave_layers():
         assert not geometry.interleaves_layers, shape_name
 
 
-def pointer_math_copy_blocks(words, addrs, index, packed_words, packed_kv_stride, to_packed):
+def pointer_math_copy_blocks(words, addrs, index, packed_words, packed_kv_stride, to_packed,
+                             block_stride_from_shape=False):
     """pack_triton's kernel, element for element: ``base[layer] + offset * word_bytes``,
-    with one set of strides for every layer, into the raw reservations (not views)."""
+    with one set of strides for every layer, into the raw reservations (not views).
+    ``block_stride_from_shape``: a kernel bug that is right for per-layer tensors only."""
     first = words[0]
     word_bytes = first.element_size()
     _, _, bs, heads, dw = first.shape
     s_kv, s_blk, s_tok, s_head = first.stride()[:4]
+    if block_stride_from_shape:
+        s_blk = 2 * bs * heads * dw
     per_block = bs * heads * dw
     e = torch.arange(per_block)
     tok, head, d = e // (heads * dw), (e % (heads * dw)) // dw, e % dw
@@ -177,3 +182,31 @@ def _rebase(caches, old_raws, new_raws):
     by_ptr = {old.untyped_storage().data_ptr(): new for old, new in zip(old_raws, new_raws)}
     return [torch.as_strided(by_ptr[c.untyped_storage().data_ptr()], c.shape, c.stride(),
                              c.storage_offset()) for c in caches]
+
+
+@pytest.mark.parametrize("shape_name", SHAPES)
+def test_triton_self_check_runs_on_the_real_compound_strides(shape_name, monkeypatch):
+    """select_kernel proves the Triton kernel on small layers before using it; for
+    layers in one storage those now carry the real block and layer strides, so a
+    kernel that gets the compound-page stride wrong is caught, not used."""
+    caches, _ = kvcached_caches(shape_name)
+    layers = KVCacheLayers.from_views([logical_kv_view(c, SPEC) for c in caches])
+    real_strides = _build_plan(layers).words[0].stride()
+    seen = []
+
+    def kernel(words, *args, block_stride_from_shape=False, **kwargs):
+        seen.append(words[0].stride())
+        pointer_math_copy_blocks(words, *args, **kwargs,
+                                 block_stride_from_shape=block_stride_from_shape)
+
+    monkeypatch.setattr(pack_triton, "available", lambda device: True)
+    monkeypatch.setattr(pack_triton, "copy_blocks", kernel)
+    assert "self-check passed" in select_kernel(layers, FMT, "triton")
+    assert seen and all(stride == real_strides for stride in seen)
+
+    buggy = KVCacheLayers.from_views([logical_kv_view(c, SPEC) for c in caches])
+    monkeypatch.setattr(pack_triton, "copy_blocks",
+                        lambda *a, **k: kernel(*a, **k, block_stride_from_shape=True))
+    with pytest.raises(RuntimeError, match="differ"):
+        select_kernel(buggy, FMT, "triton")
+    assert getattr(buggy, PLAN_ATTR, None) is None
