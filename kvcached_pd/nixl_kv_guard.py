@@ -168,6 +168,9 @@ def preparing_peer(worker: Any, nixl_agent_meta: Any) -> Iterator[None]:
             return real_xfer(descs, *args, **kwargs)
 
         methods["get_xfer_descs"] = get_xfer_descs
+        from kvcached_pd.registry import PEERS_WITHOUT_KV_ATTR
+
+        vars(worker).setdefault(PEERS_WITHOUT_KV_ATTR, set()).add(nixl_agent_meta.engine_id)
         logger.info("kvcached-pd: peer %s registered no KV blocks (kvcached's contiguous "
                     "layout): only its staging can be read; direct transfers fail",
                     getattr(nixl_agent_meta, "engine_id", "?"))

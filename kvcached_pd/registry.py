@@ -147,6 +147,7 @@ class GeometryRegistry:
 REGISTRY = GeometryRegistry()
 
 DIRECT_PATH_ATTR = "_kvcached_pd_direct_path_safe"
+PEERS_WITHOUT_KV_ATTR = "_kvcached_pd_peers_without_kv"  # engine ids, set at handshake
 
 
 def interleaves_layers(tensor: Any) -> bool:
@@ -215,3 +216,12 @@ def live_snapshots() -> Iterable[dict[str, Any]]:
         except (OSError, ValueError):
             continue
     return out
+
+
+def peer_direct_path_safe(worker: Any, engine_id: str) -> bool:
+    """Whether vLLM's per-block path may read from (or write to) peer ``engine_id``:
+    False for a peer that registered no KV with NIXL (kvcached's contiguous layout,
+    seen in its handshake by the ``nixl_registration`` patch), and for any peer when
+    this worker's own KV must not take that path (:func:`direct_path_safe`)."""
+    peers = vars(worker).get(PEERS_WITHOUT_KV_ATTR, ()) if hasattr(worker, "__dict__") else ()
+    return direct_path_safe(worker) and engine_id not in peers

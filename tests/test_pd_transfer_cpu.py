@@ -27,7 +27,7 @@ import torch
 
 from kvcached_pd.patches import get_patch
 from kvcached_pd.patches.staged_transport import worker_staging
-from kvcached_pd.registry import REGISTRY, direct_path_safe
+from kvcached_pd.registry import REGISTRY, direct_path_safe, peer_direct_path_safe
 from tests.conftest import vllm_release
 from tests.support import kvcached_cpu
 from tests.support import vllm_nixl_worker as vw
@@ -72,7 +72,7 @@ def plain_vllm_caches(block_size: int) -> list[torch.Tensor]:
 
 
 def make_side(block_size: int, seed: int, kvcached: bool = True, env=None, push: bool = False,
-              contiguous: bool = False):
+              contiguous: bool = False, backend_name: str = "FLASH_ATTN"):
     """One instance's worker. ``env`` (a monkeypatch) switches this process's gates to
     what that instance would run with: each vLLM instance is its own process.
     ``contiguous``: kvcached's contiguous layout (its default) instead of split-half."""
@@ -89,7 +89,7 @@ def make_side(block_size: int, seed: int, kvcached: bool = True, env=None, push:
     config = vw.make_vllm_config(model, block_size=block_size,
                                  connector="NixlPushConnector" if push else "NixlConnector")
     vw.ensure_distributed(config)
-    backend = vw.attention_backend("FLASH_ATTN")
+    backend = vw.attention_backend(backend_name)
     shape = vw.vllm_kv_shape(backend, BUDGET, block_size, HEADS, HEAD_DIM)
     if kvcached:
         with kvcached_cpu.fake_device(contiguous=contiguous) as kvi:
@@ -122,12 +122,13 @@ def handshake(d_worker, p_worker, backend):
 
 
 def tokens(tensors, block_ids, block_size, num_tokens):
-    """(layer, token, K|V...) content of the first num_tokens tokens of a request."""
-    out = []
-    for t in tensors:  # vLLM 0.26 packed layout: (N, H, bs, 2D) logical
-        blocks = t[block_ids]  # (nb, H, bs, 2D)
-        out.append(blocks.permute(0, 2, 1, 3).reshape(-1, HEADS, 2 * HEAD_DIM)[:num_tokens])
-    return torch.stack(out)
+    """(layer, K|V, token, head, dim) content of the first num_tokens tokens of a
+    request, whatever the backend's cache shape."""
+    from kvcached_pd.transport.layout import AttnCacheSpec, logical_kv_view
+
+    spec = AttnCacheSpec(block_size, HEADS, HEAD_DIM)
+    return torch.stack([logical_kv_view(t, spec)[:, block_ids].flatten(1, 2)[:, :num_tokens]
+                        for t in tensors])
 
 
 def start_transfer(p_worker, d_worker, p_block_ids, d_block_ids, staged_info, p_block_size):
@@ -413,20 +414,25 @@ def test_decode_extent_reservation_outcomes(staged_env):
 
 
 # ----------------------------------------------- kvcached's contiguous layout (its default)
-@pytest.mark.parametrize("p_contiguous,d_contiguous,p_bs,d_bs", [
-    (True, True, 16, 16), (True, True, 16, 32), (True, False, 16, 16), (False, True, 16, 16),
+@pytest.mark.parametrize("p_contiguous,d_contiguous,p_bs,d_bs,backend_name", [
+    (True, True, 16, 16, "FLASH_ATTN"), (True, True, 16, 32, "FLASH_ATTN"),
+    (True, False, 16, 16, "FLASH_ATTN"), (False, True, 16, 16, "FLASH_ATTN"),
 ])
 def test_staged_handoff_on_kvcached_contiguous_layout(staged_env, p_contiguous, d_contiguous,
-                                                      p_bs, d_bs):
+                                                      p_bs, d_bs, backend_name):
     """Each layer's blocks are layers x block bytes apart there; the staged READ moves
     every prompt token byte for byte, and touches no other block of D's cache."""
     if p_bs != d_bs and vllm_release() >= (0, 28):
         pytest.skip("vLLM 0.28's post-processing of smaller remote blocks needs CUDA")
-    p_worker, p_tensors, backend = make_side(p_bs, seed=61, contiguous=p_contiguous)
-    d_worker, d_tensors, _ = make_side(d_bs, seed=62, contiguous=d_contiguous)
+    p_worker, p_tensors, backend = make_side(p_bs, seed=61, contiguous=p_contiguous,
+                                             backend_name=backend_name)
+    d_worker, d_tensors, _ = make_side(d_bs, seed=62, contiguous=d_contiguous,
+                                       backend_name=backend_name)
     handshake(d_worker, p_worker, backend)
     for worker, contiguous in ((p_worker, p_contiguous), (d_worker, d_contiguous)):
         assert direct_path_safe(worker) is not contiguous
+    assert peer_direct_path_safe(d_worker, p_worker.engine_id) is not (p_contiguous or
+                                                                        d_contiguous)
         assert worker_staging(worker).layers.stacked is not None or not contiguous
     num_tokens = 75
     p_ids = [7, 2, 9, 4, 0][: -(-num_tokens // p_bs)]
@@ -456,6 +462,8 @@ def test_direct_read_involving_a_contiguous_layout_fails_instead_of_moving_wrong
     for worker, contiguous in ((p_worker, p_contiguous), (d_worker, d_contiguous)):
         record = [r for r in REGISTRY.registrations() if r["engine_id"] == worker.engine_id][-1]
         assert (record["registered_bytes"] == 0) is contiguous
+    # what the staged path asks before any direct fallback
+    assert peer_direct_path_safe(d_worker, p_worker.engine_id) is False
     before = [t.clone() for t in d_tensors]
     start_transfer(p_worker, d_worker, [5, 11, 3], [6, 1, 2], None, 16)
     deadline, recv = time.time() + 30, set()

@@ -250,8 +250,8 @@ def staged_refusal(worker: Any) -> str | None:
     transport = config.read_settings(frozenset()).transport
     if transport != "staged":
         return f"{config.KVCACHED_PD_TRANSPORT}={transport}"
-    version = installed_version("vllm") or "?"
-    if not StagedTransportPatch.vllm_range.contains(version):
+    version = installed_version("vllm")
+    if version is None or not StagedTransportPatch.vllm_range.contains(version):
         return f"the staged transport serves vLLM {StagedTransportPatch.vllm_range}, not {version}"
     if not get_patch("staged_transport").is_patched():
         return "the staged_transport patch is not applied (KVCACHED_PD_DISABLE?)"
