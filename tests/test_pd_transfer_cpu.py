@@ -431,9 +431,9 @@ def test_staged_handoff_on_kvcached_contiguous_layout(staged_env, p_contiguous, 
     handshake(d_worker, p_worker, backend)
     for worker, contiguous in ((p_worker, p_contiguous), (d_worker, d_contiguous)):
         assert direct_path_safe(worker) is not contiguous
+        assert worker_staging(worker).layers.stacked is not None or not contiguous
     assert peer_direct_path_safe(d_worker, p_worker.engine_id) is not (p_contiguous or
                                                                         d_contiguous)
-        assert worker_staging(worker).layers.stacked is not None or not contiguous
     num_tokens = 75
     p_ids = [7, 2, 9, 4, 0][: -(-num_tokens // p_bs)]
     d_ids = [3, 10, 5, 1, 8][: -(-num_tokens // d_bs)]
