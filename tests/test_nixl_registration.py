@@ -56,9 +56,9 @@ def patched(kvcached_env):
     REGISTRY.clear()
 
 
-def kvcached_caches(backend):
+def kvcached_caches(backend, contiguous=False):
     shape = vw.vllm_kv_shape(backend, BUDGET, BLOCK, HEADS, HEAD_DIM)
-    with kvcached_cpu.fake_device() as kvi:
+    with kvcached_cpu.fake_device(contiguous=contiguous) as kvi:
         tensors = kvi.alloc_kv_cache(shape, BLOCK, torch.float16, "cpu", LAYERS)
     return dict(zip(LAYER_NAMES, tensors))
 
@@ -160,3 +160,37 @@ def test_gate_closed_leaves_vllm_alone(patched, vllm_config, monkeypatch):
     caches = kvcached_caches(backend)
     with pytest.raises(AssertionError, match="number of"):
         register(vllm_config, backend, caches)
+
+
+@pytest.mark.parametrize("transport,reason", [
+    ("staged", "the staged_transport patch is not applied"),
+    ("direct", "KVCACHED_PD_TRANSPORT=direct"),
+])
+def test_contiguous_layout_without_the_staged_transport_is_refused(
+        patched, vllm_config, monkeypatch, transport, reason):
+    """kvcached's contiguous layout: per-block descriptors would read other layers'
+    bytes, so registration stops unless the staged transport will move the KV."""
+    monkeypatch.setenv("KVCACHED_PD_TRANSPORT", transport)
+    backend = vw.attention_backend("FLASH_ATTN")
+    caches = kvcached_caches(backend, contiguous=True)
+    assert all(REGISTRY.lookup(t).interleaves_layers for t in caches.values())
+    with pytest.raises(UnsupportedConfiguration, match="only the staged transport") as error:
+        register(vllm_config, backend, caches)
+    if transport == "staged" and vllm_release() < (0, 24):
+        reason = "the staged transport serves vLLM >=0.24,<0.29"
+    assert reason in str(error.value) and "KVCACHED_CONTIGUOUS_LAYOUT=false" in str(error.value)
+
+
+def test_stand_ins_vllm_registers_cannot_be_packed_from():
+    """What vLLM is handed under the contiguous layout has a block stride of 0: should
+    anything build the staged transport's views over it instead of the real caches,
+    that fails loudly rather than packing one block's bytes for every block."""
+    from kvcached_pd.nixl_kv_guard import make_guard
+    from kvcached_pd.transport.layout import AttnCacheSpec, logical_kv_view
+
+    real = {"l0": torch.zeros(BUDGET, HEADS, BLOCK, 2 * HEAD_DIM)}
+    guard = make_guard(real, {"l0": 0})
+    stand_in = guard.stand_ins["l0"]
+    assert stand_in.shape == real["l0"].shape and stand_in.stride(0) == 0
+    with pytest.raises(ValueError, match="more than once"):
+        logical_kv_view(stand_in, AttnCacheSpec(BLOCK, HEADS, HEAD_DIM))

@@ -50,23 +50,23 @@ def shut_down_push_workers():
         _LIVE.pop().shutdown()
 
 
-def push_side(block_size, seed):
-    worker, tensors, backend = make_side(block_size, seed=seed, push=True)
+def push_side(block_size, seed, contiguous=False):
+    worker, tensors, backend = make_side(block_size, seed=seed, push=True, contiguous=contiguous)
     _LIVE.append(worker)
     return worker, tensors, backend
 
 
-def push_pair(p_bs=16, d_bs=16, seed=40):
-    p_worker, p_tensors, backend = push_side(p_bs, seed)
-    d_worker, d_tensors, _ = push_side(d_bs, seed + 1)
+def push_pair(p_bs=16, d_bs=16, seed=40, p_contiguous=False, d_contiguous=False):
+    p_worker, p_tensors, backend = push_side(p_bs, seed, p_contiguous)
+    d_worker, d_tensors, _ = push_side(d_bs, seed + 1, d_contiguous)
     handshake(d_worker, p_worker, backend)  # D -> P (D sends its registration to P)
     handshake(p_worker, d_worker, backend)  # P -> D (P WRITEs into D)
     return p_worker, p_tensors, d_worker, d_tensors
 
 
-def push(p_worker, d_worker, p_ids, d_ids, staged_info, *, pack=True, req="req-1"):
+def push(p_worker, d_worker, p_ids, d_ids, staged_info, *, pack=True, req="req-1", wait=True):
     """P packs (staged) and finishes; D registers; both step until D has the KV and P
-    knows the WRITE is done."""
+    knows the WRITE is done (``wait=False``: return once both are started)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
         NixlConnectorMetadata,
     )
@@ -93,7 +93,7 @@ def push(p_worker, d_worker, p_ids, d_ids, staged_info, *, pack=True, req="req-1
     p_worker._reqs_to_process.add(req)
     p_worker._reqs_to_send[req] = time.perf_counter() + 60
     p_worker.start_load_kv(p_meta)
-    return step_until_done(p_worker, d_worker, req)
+    return step_until_done(p_worker, d_worker, req) if wait else None
 
 
 def step_until_done(p_worker, d_worker, req, timeout_s=60):
@@ -257,3 +257,43 @@ def test_a_staged_write_nixl_refuses_goes_by_vllms_push(staged_env, monkeypatch)
     d_st = worker_staging(d_worker)
     assert worker_staging(p_worker).stats["writes"] == 0 and d_st.stats["reads"] == 0
     assert d_st.buffer.allocator.num_live == 0
+
+
+# ----------------------------------------------- kvcached's contiguous layout (its default)
+@pytest.mark.parametrize("p_contiguous,d_contiguous", [(True, True), (True, False), (False, True)])
+def test_staged_push_on_kvcached_contiguous_layout(staged_env, p_contiguous, d_contiguous):
+    p_worker, p_tensors, d_worker, d_tensors = push_pair(
+        seed=70, p_contiguous=p_contiguous, d_contiguous=d_contiguous)
+    p_ids, d_ids, num_tokens = [7, 2, 9, 4, 0], [3, 10, 5, 1, 8], 75
+    whole = [t.clone() for t in d_tensors]
+    poison_staging(d_worker)
+    push(p_worker, d_worker, p_ids, d_ids, staged_order(p_worker, 5, 16, num_tokens))
+    assert torch.equal(tokens(d_tensors, d_ids, 16, num_tokens),
+                       tokens(p_tensors, p_ids, 16, num_tokens))
+    others = [b for b in range(d_tensors[0].shape[0]) if b not in d_ids]
+    for t, before in zip(d_tensors, whole):
+        assert torch.equal(t[others], before[others])
+    assert worker_staging(p_worker).stats["writes"] == 1
+    assert worker_staging(d_worker).stats["reads"] == 1
+
+
+@pytest.mark.parametrize("p_contiguous,d_contiguous", [(True, False), (False, True)])
+def test_vllm_per_block_push_with_a_contiguous_layout_fails_instead_of_writing_wrong_bytes(
+        staged_env, p_contiguous, d_contiguous):
+    """No packed extent, so vLLM's per-block WRITE is tried: NIXL holds none of the
+    contiguous side's KV and refuses the request; D's cache keeps every byte."""
+    p_worker, _, d_worker, d_tensors = push_pair(
+        seed=72, p_contiguous=p_contiguous, d_contiguous=d_contiguous)
+    before = [t.clone() for t in d_tensors]
+    push(p_worker, d_worker, [5, 11, 0], [6, 1, 2], None, wait=False)
+    deadline, received = time.time() + 30, set()
+    while time.time() < deadline and not p_worker.xfer_stats.data["num_failed_transfers"]:
+        received |= set(d_worker.get_finished()[1] or ())
+        p_worker.get_finished()
+        time.sleep(0.01)
+    # vLLM's push writer reports the WRITE as failed (its setup was refused by NIXL)
+    assert p_worker.xfer_stats.data["num_failed_transfers"] == [1]
+    assert not p_worker.xfer_stats.data["bytes_transferred"] and "req-1" not in received
+    assert worker_staging(p_worker).stats["writes"] == 0
+    for t, b in zip(d_tensors, before):
+        assert torch.equal(t, b)

@@ -11,7 +11,10 @@ handoff, every token of the prompt in D's blocks equals P's, whichever data path
   patch's product), remote side = P's kvcached tensors;
 - staged: P packs into its staging, D READs the extent and unpacks (the staged
   transport), including P and D with different block sizes;
-- fallback: D has no staging peer and silently takes the direct path.
+- fallback: D has no staging peer and silently takes the direct path;
+- kvcached's contiguous layout (its default; every layer's block ``b`` in one compound
+  page) on either side: staged handoffs stay byte-exact, while NIXL holds none of that
+  KV, so a direct READ against it fails instead of moving another layer's bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from kvcached_pd.patches import get_patch
 from kvcached_pd.patches.staged_transport import worker_staging
-from kvcached_pd.registry import REGISTRY
+from kvcached_pd.registry import REGISTRY, direct_path_safe, peer_direct_path_safe
 from tests.conftest import vllm_release
 from tests.support import kvcached_cpu
 from tests.support import vllm_nixl_worker as vw
@@ -68,9 +71,11 @@ def plain_vllm_caches(block_size: int) -> list[torch.Tensor]:
             .permute(0, 2, 1, 3) for _ in range(LAYERS)]
 
 
-def make_side(block_size: int, seed: int, kvcached: bool = True, env=None, push: bool = False):
+def make_side(block_size: int, seed: int, kvcached: bool = True, env=None, push: bool = False,
+              contiguous: bool = False, backend_name: str = "FLASH_ATTN"):
     """One instance's worker. ``env`` (a monkeypatch) switches this process's gates to
-    what that instance would run with: each vLLM instance is its own process."""
+    what that instance would run with: each vLLM instance is its own process.
+    ``contiguous``: kvcached's contiguous layout (its default) instead of split-half."""
     if env is not None:
         if kvcached:
             env.setenv("ENABLE_KVCACHED", "true")
@@ -84,10 +89,10 @@ def make_side(block_size: int, seed: int, kvcached: bool = True, env=None, push:
     config = vw.make_vllm_config(model, block_size=block_size,
                                  connector="NixlPushConnector" if push else "NixlConnector")
     vw.ensure_distributed(config)
-    backend = vw.attention_backend("FLASH_ATTN")
+    backend = vw.attention_backend(backend_name)
     shape = vw.vllm_kv_shape(backend, BUDGET, block_size, HEADS, HEAD_DIM)
     if kvcached:
-        with kvcached_cpu.fake_device() as kvi:
+        with kvcached_cpu.fake_device(contiguous=contiguous) as kvi:
             tensors = kvi.alloc_kv_cache(shape, block_size, torch.float16, "cpu", LAYERS)
     else:
         tensors = plain_vllm_caches(block_size)
@@ -117,12 +122,13 @@ def handshake(d_worker, p_worker, backend):
 
 
 def tokens(tensors, block_ids, block_size, num_tokens):
-    """(layer, token, K|V...) content of the first num_tokens tokens of a request."""
-    out = []
-    for t in tensors:  # vLLM 0.26 packed layout: (N, H, bs, 2D) logical
-        blocks = t[block_ids]  # (nb, H, bs, 2D)
-        out.append(blocks.permute(0, 2, 1, 3).reshape(-1, HEADS, 2 * HEAD_DIM)[:num_tokens])
-    return torch.stack(out)
+    """(layer, K|V, token, head, dim) content of the first num_tokens tokens of a
+    request, whatever the backend's cache shape."""
+    from kvcached_pd.transport.layout import AttnCacheSpec, logical_kv_view
+
+    spec = AttnCacheSpec(block_size, HEADS, HEAD_DIM)
+    return torch.stack([logical_kv_view(t, spec)[:, block_ids].flatten(1, 2)[:, :num_tokens]
+                        for t in tensors])
 
 
 def start_transfer(p_worker, d_worker, p_block_ids, d_block_ids, staged_info, p_block_size):
@@ -409,3 +415,87 @@ def test_decode_extent_reservation_outcomes(staged_env):
     st.buffer.free(hog)
     st.buffer.free(extent)
     assert st.buffer.allocator.num_live == 0
+
+
+# ----------------------------------------------- kvcached's contiguous layout (its default)
+@pytest.mark.parametrize("p_contiguous,d_contiguous,p_bs,d_bs,backend_name", [
+    (True, True, 16, 16, "FLASH_ATTN"), (True, True, 16, 32, "FLASH_ATTN"),
+    (True, False, 16, 16, "FLASH_ATTN"), (False, True, 16, 16, "FLASH_ATTN"),
+])
+def test_staged_handoff_on_kvcached_contiguous_layout(staged_env, p_contiguous, d_contiguous,
+                                                      p_bs, d_bs, backend_name):
+    """Each layer's blocks are layers x block bytes apart there; the staged READ moves
+    every prompt token byte for byte, and touches no other block of D's cache."""
+    if p_bs != d_bs and vllm_release() >= (0, 28):
+        pytest.skip("vLLM 0.28's post-processing of smaller remote blocks needs CUDA")
+    p_worker, p_tensors, backend = make_side(p_bs, seed=61, contiguous=p_contiguous,
+                                             backend_name=backend_name)
+    d_worker, d_tensors, _ = make_side(d_bs, seed=62, contiguous=d_contiguous,
+                                       backend_name=backend_name)
+    handshake(d_worker, p_worker, backend)
+    for worker, contiguous in ((p_worker, p_contiguous), (d_worker, d_contiguous)):
+        assert direct_path_safe(worker) is not contiguous
+        assert worker_staging(worker).layers.stacked is not None or not contiguous
+    assert peer_direct_path_safe(d_worker, p_worker.engine_id) is not (p_contiguous or
+                                                                        d_contiguous)
+    num_tokens = 75
+    p_ids = [7, 2, 9, 4, 0][: -(-num_tokens // p_bs)]
+    d_ids = [3, 10, 5, 1, 8][: -(-num_tokens // d_bs)]
+    whole = [t.clone() for t in d_tensors]
+    run_transfer(p_worker, d_worker, p_ids, d_ids, num_tokens,
+                 staged_order(p_worker, len(p_ids), p_bs, num_tokens), p_bs)
+    assert torch.equal(tokens(d_tensors, d_ids, d_bs, num_tokens),
+                       tokens(p_tensors, p_ids, p_bs, num_tokens))
+    others = [b for b in range(d_tensors[0].shape[0]) if b not in d_ids]
+    for t, before in zip(d_tensors, whole):
+        assert torch.equal(t[others], before[others])
+    st = worker_staging(d_worker)
+    assert st.stats["reads"] == 1 and st.stats["fallbacks"] == 0
+    assert st.buffer.allocator.num_live == 0
+
+
+@pytest.mark.parametrize("p_contiguous,d_contiguous", [(True, False), (False, True), (True, True)])
+def test_direct_read_involving_a_contiguous_layout_fails_instead_of_moving_wrong_bytes(
+        staged_env, p_contiguous, d_contiguous):
+    """vLLM's per-block READ (no staged info: the direct path) with kvcached's
+    contiguous layout on either side: NIXL holds none of that KV, so vLLM's own failure
+    path reports the request (its blocks to be recomputed) and D's cache is unchanged."""
+    p_worker, _, backend = make_side(16, seed=63, contiguous=p_contiguous)
+    d_worker, d_tensors, _ = make_side(16, seed=64, contiguous=d_contiguous)
+    handshake(d_worker, p_worker, backend)
+    for worker, contiguous in ((p_worker, p_contiguous), (d_worker, d_contiguous)):
+        record = [r for r in REGISTRY.registrations() if r["engine_id"] == worker.engine_id][-1]
+        assert (record["registered_bytes"] == 0) is contiguous
+    # what the staged path asks before any direct fallback
+    assert peer_direct_path_safe(d_worker, p_worker.engine_id) is False
+    before = [t.clone() for t in d_tensors]
+    start_transfer(p_worker, d_worker, [5, 11, 3], [6, 1, 2], None, 16)
+    deadline, recv = time.time() + 30, set()
+    while time.time() < deadline and "req-1" not in recv:
+        _, done = d_worker.get_finished()
+        recv |= set(done or ())
+        time.sleep(0.01)
+    assert "req-1" in recv  # reported, as vLLM reports a failed READ
+    assert d_worker.xfer_stats.data["num_failed_transfers"] == [1.0]
+    for t, b in zip(d_tensors, before):
+        assert torch.equal(t, b)  # not one byte moved
+
+
+def test_a_peer_without_kvcached_pd_cannot_even_handshake_with_a_contiguous_layout(staged_env):
+    """vLLM alone (no kvcached-pd hooks) prepares every advertised block of its peer; a
+    contiguous-layout P advertises none, so vLLM's handshake fails: the direct path
+    against that KV is refused before any request."""
+    p_worker, _, backend = make_side(16, seed=65, contiguous=True)
+    for name in reversed(PATCHES):
+        get_patch(name).unpatch()
+    try:
+        staged_env.setenv("ENABLE_KVCACHED", "false")
+        vw.forget_resolved_layout()
+        d_worker, _, _ = make_side(16, seed=66, kvcached=False)
+        with pytest.raises(Exception):
+            handshake(d_worker, p_worker, backend)
+        assert not d_worker.dst_xfer_side_handles.get(p_worker.engine_id)
+    finally:
+        staged_env.setenv("ENABLE_KVCACHED", "true")
+        for name in PATCHES:
+            get_patch(name).patch()

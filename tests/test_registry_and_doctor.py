@@ -49,7 +49,8 @@ def test_doctor_clean_environment_exits_zero():
 
 
 def test_doctor_blocking_problem_exits_nonzero():
-    proc = doctor(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_PD_DISABLE="nixl_layot")
+    proc = doctor(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_PD_DISABLE="nixl_layot",
+                  KVCACHED_PD_TRANSPORT="direct")
     assert proc.returncode == 1
     assert "BLOCKING" in proc.stdout and "KVCACHED_CONTIGUOUS_LAYOUT is true" in proc.stdout
     assert "unknown patch(es) ['nixl_layot']" in proc.stdout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import vllm_release
 from tests.support import subproc
 
 CREATE = r"""
@@ -42,10 +43,13 @@ def kvcached_on_path() -> dict[str, str]:
     return {"PYTHONPATH": kvcached_src()}
 
 
+DIRECT = dict(GOOD, KVCACHED_PD_TRANSPORT="direct")
+CONTIGUOUS_DIRECT = "set KVCACHED_CONTIGUOUS_LAYOUT=false or use the staged transport"
+
+
 @pytest.mark.parametrize("env,message", [
-    (dict(GOOD, KVCACHED_CONTIGUOUS_LAYOUT="true"), "KVCACHED_CONTIGUOUS_LAYOUT is true"),
-    ({k: v for k, v in GOOD.items() if k != "KVCACHED_CONTIGUOUS_LAYOUT"},
-     "KVCACHED_CONTIGUOUS_LAYOUT is true"),
+    (dict(DIRECT, KVCACHED_CONTIGUOUS_LAYOUT="true"), CONTIGUOUS_DIRECT),
+    ({k: v for k, v in DIRECT.items() if k != "KVCACHED_CONTIGUOUS_LAYOUT"}, CONTIGUOUS_DIRECT),
     (dict(GOOD, VLLM_KV_CACHE_LAYOUT="HND"), "VLLM_KV_CACHE_LAYOUT=HND"),
     (dict(GOOD, KVCACHED_PD_DISABLE="nixl_layot"), "unknown patch(es) ['nixl_layot']"),
     (dict(GOOD, KVCACHED_PD_TRANSPORT="carrier-pigeon"), "is not one of"),
@@ -54,8 +58,28 @@ def kvcached_on_path() -> dict[str, str]:
 def test_bad_configuration_stops_nixl_startup(env, message):
     error = create(**env, **kvcached_on_path())
     assert error is not None and error.startswith("UnsupportedConfiguration")
-    assert message in error
+    assert message.lower() in error.lower()
     assert "kvcached-pd doctor" in error
+
+
+@pytest.mark.parametrize("layout", ["true", None])
+@pytest.mark.parametrize("transport", ["staged", None])  # None: the default with kvcached
+def test_contiguous_layout_is_allowed_only_where_the_staged_transport_serves(layout, transport):
+    """kvcached's default layout (unset = contiguous) with the staged transport: vLLM
+    0.24-0.28 builds the connector; elsewhere only the direct path exists, so it stops."""
+    env = {k: v for k, v in GOOD.items() if k != "KVCACHED_CONTIGUOUS_LAYOUT"}
+    if layout is not None:
+        env["KVCACHED_CONTIGUOUS_LAYOUT"] = layout
+    if transport is not None:
+        env["KVCACHED_PD_TRANSPORT"] = transport
+    error = create(**env, **kvcached_on_path())
+    if (0, 24) <= vllm_release() < (0, 29):
+        assert error is None
+    else:
+        assert error is not None and error.startswith("UnsupportedConfiguration")
+        assert "KVCACHED_CONTIGUOUS_LAYOUT is true" in error
+        assert "the staged transport serves vLLM >=0.24,<0.29 only" in error
+        assert "Set KVCACHED_CONTIGUOUS_LAYOUT=false" in error
 
 
 def test_kvcached_not_importable_stops_nixl_startup():

@@ -20,6 +20,12 @@ that disagrees with the geometry kvcached created, hybrid/mamba models, head-maj
 layouts, and kvcached's split-half memory behind blocks-first shapes (vLLM would
 read K and V as interleaved within a block).
 
+kvcached's contiguous layout (every layer's block ``b`` in one compound page) cannot be
+described by per-block descriptors at all: there NIXL registers none of the KV
+(:mod:`kvcached_pd.nixl_kv_guard`), only the staged transport moves it, and startup
+stops unless the staged transport serves this worker. ``add_remote_agent`` is hooked
+too, so that a kvcached-pd worker can handshake with such a peer.
+
 Fail-closed. Hooked on the deepest NIXL class that defines ``register_kv_caches``
 (``NixlConnectorWorker`` up to 0.23, ``NixlBaseConnectorWorker`` from 0.24, which the
 push worker reaches through ``super()``).
@@ -34,14 +40,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from kvcached_pd import vllm_nixl
+from kvcached_pd import config, nixl_kv_guard, vllm_nixl
 from kvcached_pd.config import kvcached_enabled
 from kvcached_pd.errors import LayoutMismatch, UnsupportedConfiguration
 from kvcached_pd.kv_spans import Span, clip_to, merge_spans, overlaps, physical_spans, within
 from kvcached_pd.patches.base import Patch
 from kvcached_pd.patches.nixl_layout import HEAD_MAJOR_LAYOUTS
-from kvcached_pd.registry import REGISTRY
-from kvcached_pd.versions import SUPPORTED_VLLM
+from kvcached_pd.registry import DIRECT_PATH_ATTR, REGISTRY
+from kvcached_pd.versions import SUPPORTED_VLLM, installed_version
 
 logger = logging.getLogger("kvcached_pd")
 
@@ -59,6 +65,8 @@ class RegistrationPlan:
     virtual_blocks: int = 0
     registered: list[Span] = field(default_factory=list)
     num_descs_checked: int = 0
+    interleaved: bool = False  # kvcached's contiguous layout: no per-block descriptor fits
+    blocks_dims: dict[str, int] = field(default_factory=dict)
 
 
 def physical_budget(worker: Any) -> int:
@@ -127,6 +135,8 @@ def plan_registration(worker: Any, kv_caches: dict[str, Any]) -> RegistrationPla
             )
         narrowed = cache.narrow(geometry.blocks_dim, 0, budget)
         plan.kv_caches[name] = narrowed
+        plan.blocks_dims[name] = geometry.blocks_dim
+        plan.interleaved = plan.interleaved or geometry.interleaves_layers
         plan.allowed.extend(physical_spans(narrowed))
         plan.virtual.extend(physical_spans(cache))
         plan.virtual_blocks = max(plan.virtual_blocks, geometry.virtual_blocks)
@@ -231,12 +241,81 @@ def _watch_nixl_wrapper(worker: Any, plan: RegistrationPlan) -> Iterator[None]:
                 setattr(wrapper, attr, real)
 
 
+def staged_refusal(worker: Any) -> str | None:
+    """Why the staged transport will not move this worker's KV, or None if it will."""
+    from kvcached_pd.patches import get_patch
+    from kvcached_pd.patches.staged_transport import StagedTransportPatch
+    from kvcached_pd.transport.staged import packed_format_for
+
+    transport = config.read_settings(frozenset()).transport
+    if transport != "staged":
+        return f"{config.KVCACHED_PD_TRANSPORT}={transport}"
+    version = installed_version("vllm")
+    if version is None or not StagedTransportPatch.vllm_range.contains(version):
+        return f"the staged transport serves vLLM {StagedTransportPatch.vllm_range}, not {version}"
+    if not get_patch("staged_transport").is_patched():
+        return "the staged_transport patch is not applied (KVCACHED_PD_DISABLE?)"
+    if packed_format_for(worker.kv_cache_config, int(getattr(worker, "world_size", 1))) is None:
+        return "the staged transport needs TP=1 and one full-attention KV-cache group"
+    if getattr(worker, "use_host_buffer", False):
+        return "the staged transport does not serve a host buffer"
+    return None
+
+
+def _register_without_kv(worker: Any, original, plan: RegistrationPlan, args, kwargs):
+    """kvcached's contiguous layout: vLLM registers stand-ins, NIXL none of the KV."""
+    reason = staged_refusal(worker)
+    if reason is not None:
+        raise UnsupportedConfiguration(
+            f"kvcached's contiguous layout ({config.KVCACHED_CONTIGUOUS_LAYOUT} true or "
+            "unset) interleaves every layer's blocks, which vLLM's per-block NIXL "
+            f"descriptors would read as other layers' bytes; only the staged transport "
+            f"can move it, and here {reason}. Set {config.KVCACHED_CONTIGUOUS_LAYOUT}=false."
+        )
+    guard = nixl_kv_guard.make_guard(plan.kv_caches, plan.blocks_dims)
+    setattr(worker, nixl_kv_guard.STATE_ATTR, guard)
+    setattr(worker, DIRECT_PATH_ATTR, False)
+    with nixl_kv_guard.registering_without_kv(worker, guard):
+        result = original(worker, guard.stand_ins, *args, **kwargs)
+    worker.device_kv_caches = plan.kv_caches  # the real caches for all that follows
+    nixl_kv_guard.advertise_no_blocks(worker, guard, original.__globals__["NixlAgentMetadata"])
+    REGISTRY.note_registration({
+        "engine_id": str(getattr(worker, "engine_id", "")),
+        "tp_rank": int(getattr(worker, "tp_rank", 0)),
+        "budget_blocks": plan.budget_blocks,
+        "virtual_blocks": plan.virtual_blocks,
+        "registered_bytes": 0,
+        "virtual_bytes": sum(e - s for s, e in plan.virtual),
+        "num_layers": len(plan.kv_caches),
+        "num_descs_checked": 0,
+        "kv_registered": False,
+    })
+    logger.info(
+        "kvcached-pd: kvcached's contiguous layout: NIXL registered none of the KV (%d "
+        "layers x %d blocks); only the staged transport moves it, direct transfers fail",
+        len(plan.kv_caches), plan.budget_blocks,
+    )
+    return result
+
+
+def _make_add_remote_agent_hook(original):
+    @functools.wraps(original)
+    def add_remote_agent(self, nixl_agent_meta, *args, **kwargs):
+        with nixl_kv_guard.preparing_peer(self, nixl_agent_meta):
+            return original(self, nixl_agent_meta, *args, **kwargs)
+
+    return add_remote_agent
+
+
 def _make_register_hook(original):
     @functools.wraps(original)
     def register_kv_caches(self, kv_caches, *args, **kwargs):
         if not kvcached_enabled():
             return original(self, kv_caches, *args, **kwargs)
         plan = plan_registration(self, kv_caches)
+        if plan.interleaved:
+            return _register_without_kv(self, original, plan, args, kwargs)
+        setattr(self, DIRECT_PATH_ATTR, True)
         with _watch_nixl_wrapper(self, plan):
             result = original(self, plan.kv_caches, *args, **kwargs)
         registered = merge_spans(plan.registered) or plan.allowed
@@ -278,3 +357,7 @@ class NixlRegistrationPatch(Patch):
             raise AttributeError(f"no NIXL worker class in {vllm_nixl.NIXL_PACKAGE} defines {ATTR}")
         for owner in owners:
             self._replace(owner, ATTR, _make_register_hook(vars(owner)[ATTR]))
+        for owner in vllm_nixl.nixl_owners(vllm_nixl.worker_classes(), "add_remote_agent",
+                                           base_most=True):
+            self._replace(owner, "add_remote_agent",
+                          _make_add_remote_agent_hook(vars(owner)["add_remote_agent"]))

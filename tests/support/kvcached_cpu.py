@@ -1,11 +1,15 @@
 """Run kvcached's real ``alloc_kv_cache`` on the CPU.
 
 kvcached's Python view-building code (split-half strides, packed K|V views, kernel
-blocks) is what decides the layout NIXL must describe, so tests use it as is. Only
-what a CPU cannot run is replaced: the compiled ``kvcached.vmm_ops`` (CUDA virtual
-memory) becomes a stand-in whose ``create_kv_tensors`` returns one zeroed host
-buffer per layer as the "virtual reservation", and ``torch.cuda`` reports a small
-device. ``posix_ipc`` (kvcached's cross-process IPC) is stubbed likewise.
+blocks, the cross-layer "contiguous" layout) is what decides the layout NIXL must
+describe and the staged transport must address, so tests use it as is. Only what a CPU
+cannot run is replaced: the compiled ``kvcached.vmm_ops`` (CUDA virtual memory) becomes
+a stand-in whose ``create_kv_tensors`` returns what kvcached's C++ allocator returns as
+the "virtual reservation", zeroed host memory instead of mapped pages: one buffer per
+layer, or with the contiguous layout one buffer for all layers
+(``FTensorAllocator::create_kv_tensors_contiguous_``: per-layer size x layers), and
+``torch.cuda`` reports a small device. ``posix_ipc`` (kvcached's cross-process IPC)
+is stubbed likewise.
 
 kvcached is not pip-installable without a CUDA torch; the tests read its source
 archive, unpacked by ``tests/support/fetch_kvcached.py`` into ``KVCACHED_SRC``.
@@ -34,6 +38,11 @@ def available() -> bool:
 
 def _host_create_kv_tensors(size, dtype_size, device, num_layers, num_kv_buffers=2,
                             group_id=0, unified_pool=False):
+    # The C++ allocator follows the layout init_kvcached gave it; kvcached's Python
+    # passes the same flag (interfaces._contiguous_layout), which fake_device sets.
+    interfaces = sys.modules.get("kvcached.integration.vllm.interfaces")
+    if interfaces is not None and interfaces._contiguous_layout:
+        return [torch.zeros(size * num_layers, dtype=torch.uint8)]
     return [torch.zeros(size, dtype=torch.uint8) for _ in range(num_layers)]
 
 
@@ -50,8 +59,12 @@ def install_stand_ins() -> None:
 
 
 @contextlib.contextmanager
-def fake_device(total_memory: int = 64 << 20):
-    """kvcached sizes its virtual reservation from the device's total memory."""
+def fake_device(total_memory: int = 64 << 20, contiguous: bool = False):
+    """kvcached sizes its virtual reservation from the device's total memory.
+
+    ``contiguous`` selects kvcached's layout, as ``KVCACHED_CONTIGUOUS_LAYOUT`` does
+    (kvcached's default on CUDA is ``True``: one compound page maps every layer).
+    """
     import kvcached.integration.vllm.interfaces as kvi
 
     props = types.SimpleNamespace(total_memory=total_memory)
@@ -59,11 +72,11 @@ def fake_device(total_memory: int = 64 << 20):
          mock.patch.object(torch.cuda, "get_device_properties", return_value=props), \
          mock.patch.object(kvi, "normalize_gpu_device", side_effect=lambda d: d), \
          mock.patch.object(kvi, "_kvcached_initialized", True), \
-         mock.patch.object(kvi, "_contiguous_layout", False):
+         mock.patch.object(kvi, "_contiguous_layout", contiguous):
         try:
             import kvcached.integration.vllm.model_runner_v2 as mrv2
         except ImportError:  # needs vLLM 0.29+
             yield kvi
             return
-        with mock.patch.object(mrv2, "CONTIGUOUS_LAYOUT", False):
+        with mock.patch.object(mrv2, "CONTIGUOUS_LAYOUT", contiguous):
             yield kvi

@@ -123,6 +123,9 @@ def _kvcached_contiguous(kv_first: bool):
 def _packed_cross_layer(buffers: list[torch.Tensor], g: Geometry, layer: int) -> torch.Tensor:
     # vLLM 0.26+ FlashAttention with the layers dimension (NHD):
     # memory (N, L, bs, H, 2D), exposed per layer as logical (N, H, bs, 2D).
+    # This is also kvcached's contiguous layout for that shape (one compound page per
+    # block, layer l at l x block; _build_packed_kv_views), byte for byte; built by
+    # kvcached's own code in tests/transport/test_kvcached_contiguous.py.
     whole = buffers[0].view(
         g.num_blocks, g.num_layers, g.block_size, g.num_kv_heads, 2 * g.head_dim
     )

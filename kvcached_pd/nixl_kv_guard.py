@@ -1,0 +1,180 @@
+"""NIXL registers none of a worker's KV when kvcached's contiguous layout backs it.
+
+kvcached's contiguous layout (its default on CUDA) puts every layer's block ``b`` side by
+side in one compound page, so one layer's consecutive blocks lie ``layers x block``
+bytes apart. vLLM's NIXL worker describes block ``b`` of a layer as
+``base + b * block_len`` (per layer; or, for views sharing one storage, vLLM 0.26's
+packed path with a block stride of the storage's bytes / ``num_blocks``, which over
+kvcached's virtual reservation is wrong too): a per-block READ or WRITE would move
+other layers' bytes. The staged transport reads and writes that memory only locally,
+through strided views, and moves just its staging region over NIXL. So nothing of the
+KV is registered, and the direct path fails in NIXL instead of moving wrong bytes:
+
+- vLLM's ``register_kv_caches`` is handed *stand-ins*: per layer, one block of ordinary
+  memory viewed with the cache's shape and a block stride of 0, each its own storage
+  (so vLLM takes its per-layer path and advertises the per-layer block lengths a
+  non-contiguous peer expects). vLLM only reads their address, shape and device.
+- while it registers, the registration it asks for is replaced by one 4 KiB *guard*
+  buffer, and every local descriptor list it prepares by one 1-byte descriptor there;
+- its handshake advertises ``num_blocks = 0`` and the guard as every region's base;
+  afterwards ``device_kv_caches`` holds the real caches again for everything else.
+
+A peer without kvcached-pd then prepares an empty descriptor list for our blocks and
+its handshake fails (NIXL refuses an empty list). A kvcached-pd peer prepares the
+guard's one byte instead (:func:`preparing_peer`), so its handshake (and the staged
+transport's) succeeds, and NIXL rejects every per-block request before moving a byte
+(``NIXL_ERR_INVALID_PARAM``: block index out of range, or a length mismatch), which
+vLLM handles as a failed transfer. Checked against real NIXL in
+tests/test_contiguous_registration.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+logger = logging.getLogger("kvcached_pd")
+
+GUARD_BYTES = 4096
+LOCAL_AGENT = "NIXL_INIT_AGENT"  # the name NIXL's prep_xfer_dlist takes for local lists
+STATE_ATTR = "_kvcached_pd_kv_guard"
+
+
+def _is_plain(descs: Any) -> bool:
+    """Descriptor rows from vLLM (list or numpy array), not the NIXL list objects that
+    NIXL's own register_memory/prep calls pass back through the same methods."""
+    return isinstance(descs, (list, tuple)) or type(descs).__module__ == "numpy"
+
+
+@dataclass
+class KVGuard:
+    """What stands in for a worker's unregistered KV (kept alive with the worker)."""
+
+    tensor: Any  # GUARD_BYTES of ordinary memory, registered with NIXL instead of the KV
+    device_id: int
+    stand_ins: dict[str, Any]
+
+    @property
+    def ptr(self) -> int:
+        return int(self.tensor.data_ptr())
+
+
+def make_guard(kv_caches: dict[str, Any], blocks_dims: dict[str, int]) -> KVGuard:
+    """The guard buffer and one stand-in per cache (``blocks_dims``: each cache's
+    block dimension)."""
+    import torch
+
+    first = next(iter(kv_caches.values()))
+    guard = torch.zeros(GUARD_BYTES, dtype=torch.uint8, device=first.device)
+    stand_ins = {}
+    for name, cache in kv_caches.items():
+        dim = blocks_dims[name]
+        strides = list(cache.stride())
+        strides[dim] = 0
+        span = 1 + sum((n - 1) * s for n, s in zip(cache.shape, strides))
+        one_block = torch.zeros(span, dtype=cache.dtype, device=cache.device)
+        stand_ins[name] = torch.as_strided(one_block, tuple(cache.shape), tuple(strides))
+    return KVGuard(tensor=guard, device_id=max(first.get_device(), 0), stand_ins=stand_ins)
+
+
+@contextlib.contextmanager
+def _replace_wrapper_methods(wrapper: Any, **methods: Any) -> Iterator[None]:
+    originals = {name: getattr(wrapper, name) for name in methods}
+    for name, method in methods.items():
+        setattr(wrapper, name, method)
+    try:
+        yield
+    finally:
+        for name, real in originals.items():
+            try:
+                del wrapper.__dict__[name]
+            except (KeyError, AttributeError, TypeError):
+                setattr(wrapper, name, real)
+
+
+def _guard_local_preps(worker: Any, guard: KVGuard, wrapper: Any) -> dict[str, Any]:
+    real_prep, real_xfer = wrapper.prep_xfer_dlist, wrapper.get_xfer_descs
+
+    def prep_xfer_dlist(agent_name, descs, *args, **kwargs):
+        if agent_name == LOCAL_AGENT:  # a list over this worker's KV: the guard's byte
+            descs = real_xfer([(guard.ptr, 1, guard.device_id)], worker.nixl_memory_type)
+        return real_prep(agent_name, descs, *args, **kwargs)
+
+    return {"prep_xfer_dlist": prep_xfer_dlist}
+
+
+@contextlib.contextmanager
+def registering_without_kv(worker: Any, guard: KVGuard) -> Iterator[None]:
+    """While vLLM registers the stand-ins: NIXL registers the guard, local lists are the
+    guard's byte."""
+    wrapper = worker.nixl_wrapper
+    real_reg = wrapper.get_reg_descs
+
+    def get_reg_descs(descs, *args, **kwargs):
+        if _is_plain(descs):  # vLLM's KV regions: the guard instead
+            descs = [(guard.ptr, GUARD_BYTES, guard.device_id, "")]
+        return real_reg(descs, *args, **kwargs)
+
+    with _replace_wrapper_methods(wrapper, get_reg_descs=get_reg_descs,
+                                  **_guard_local_preps(worker, guard, wrapper)):
+        yield
+
+
+def advertise_no_blocks(worker: Any, guard: KVGuard, meta_cls: type) -> None:
+    """Rewrite the handshake vLLM built: 0 blocks, the guard as every region's base."""
+    import dataclasses
+
+    import msgspec
+
+    payload = worker.xfer_handshake_metadata
+    meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=meta_cls)
+    changes = {"num_blocks": 0, "kv_caches_base_addr": [guard.ptr] * len(meta.kv_caches_base_addr)}
+    if dataclasses.is_dataclass(meta):
+        meta = dataclasses.replace(meta, **changes)
+    else:
+        meta = msgspec.structs.replace(meta, **changes)
+    worker.xfer_handshake_metadata = type(payload)(
+        compatibility_hash=payload.compatibility_hash,
+        agent_metadata_bytes=msgspec.msgpack.Encoder().encode(meta),
+    )
+
+
+def peer_has_no_blocks(nixl_agent_meta: Any) -> bool:
+    """A peer whose KV is not registered (advertised by :func:`advertise_no_blocks`)."""
+    return int(getattr(nixl_agent_meta, "num_blocks", 1)) == 0
+
+
+@contextlib.contextmanager
+def preparing_peer(worker: Any, nixl_agent_meta: Any) -> Iterator[None]:
+    """Around vLLM's ``add_remote_agent``: a peer with no registered KV gets its guard
+    byte as the (one-descriptor) remote list; if this worker's own KV is unregistered,
+    the local lists vLLM prepares here (other block sizes, TP splits) are its guard."""
+    wrapper = getattr(worker, "nixl_wrapper", None)
+    own = vars(worker).get(STATE_ATTR) if hasattr(worker, "__dict__") else None
+    peer_empty = peer_has_no_blocks(nixl_agent_meta)
+    if wrapper is None or (own is None and not peer_empty):
+        yield
+        return
+    methods: dict[str, Any] = {}
+    if peer_empty:
+        real_xfer = wrapper.get_xfer_descs
+        remote = (int(nixl_agent_meta.kv_caches_base_addr[0]), 1, int(nixl_agent_meta.device_id))
+
+        def get_xfer_descs(descs, *args, **kwargs):
+            if _is_plain(descs) and len(descs) == 0:  # the peer's 0 blocks: its guard byte
+                descs = [remote]
+            return real_xfer(descs, *args, **kwargs)
+
+        methods["get_xfer_descs"] = get_xfer_descs
+        from kvcached_pd.registry import PEERS_WITHOUT_KV_ATTR
+
+        vars(worker).setdefault(PEERS_WITHOUT_KV_ATTR, set()).add(nixl_agent_meta.engine_id)
+        logger.info("kvcached-pd: peer %s registered no KV blocks (kvcached's contiguous "
+                    "layout): only its staging can be read; direct transfers fail",
+                    getattr(nixl_agent_meta, "engine_id", "?"))
+    if own is not None:
+        methods.update(_guard_local_preps(worker, own, wrapper))
+    with _replace_wrapper_methods(wrapper, **methods):
+        yield
