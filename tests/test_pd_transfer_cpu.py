@@ -481,6 +481,28 @@ def test_direct_read_involving_a_contiguous_layout_fails_instead_of_moving_wrong
         assert torch.equal(t, b)  # not one byte moved
 
 
+def test_a_contiguous_layout_that_cannot_be_staged_fails_without_a_direct_attempt(
+        staged_env, monkeypatch):
+    """P packed the request, but D cannot stage it (here: P's handshake offered no
+    staging). With kvcached's contiguous layout the direct path is not an option: the
+    request fails through vLLM's failure path, and no per-block transfer is even tried."""
+    p_worker, _, backend = make_side(16, seed=66, contiguous=True)
+    d_worker, d_tensors, _ = make_side(16, seed=67, contiguous=True)
+    handshake(d_worker, p_worker, backend)
+    worker_staging(d_worker).remote.clear()  # as if P offered no staging
+    tried = []
+    monkeypatch.setattr(d_worker, "_read_blocks",
+                        lambda *a, **k: tried.append(a) or pytest.fail("direct READ tried"))
+    before = [t.clone() for t in d_tensors]
+    start_transfer(p_worker, d_worker, [5, 11], [6, 1], staged_order(p_worker, 2, 16, 30), 16)
+    _, recv = d_worker.get_finished()
+    assert "req-1" in (recv or ()) and not tried
+    st = worker_staging(d_worker)
+    assert st.stats["fallbacks"] == 0 and st.buffer.allocator.num_live == 0
+    for t, b in zip(d_tensors, before):
+        assert torch.equal(t, b)
+
+
 def test_a_peer_without_kvcached_pd_cannot_even_handshake_with_a_contiguous_layout(staged_env):
     """vLLM alone (no kvcached-pd hooks) prepares every advertised block of its peer; a
     contiguous-layout P advertises none, so vLLM's handshake fails: the direct path

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from kvcached_pd.registry import peer_direct_path_safe
 from kvcached_pd.transport import sizing
 from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
@@ -478,6 +479,15 @@ def start_staged_read(worker: Any, st: WorkerStaging, req_id: str, meta: Any) ->
     st.recv_info.pop(req_id, None)
     st.waiting.pop(req_id, None)
     if reason is not None:
+        if not peer_direct_path_safe(worker, engine_id):
+            # kvcached's contiguous layout on either side: NIXL has none of that KV, and
+            # per-block descriptors would address other layers' bytes. Fail the request
+            # through vLLM's own path rather than try a transfer that cannot be right.
+            logger.error("kvcached-pd: request %s cannot be staged (%s) and the direct path "
+                         "cannot move kvcached's contiguous layout: failing its KV load",
+                         req_id, reason)
+            worker._handle_failed_transfer(req_id, None)
+            return True
         st.stats["fallbacks"] += 1
         record_stat(worker, STAT_FALLBACKS, 1)
         logger.warning("kvcached-pd: request %s travels by the direct path: %s", req_id, reason)
