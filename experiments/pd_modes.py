@@ -91,6 +91,11 @@ PD_STAGED_NOSPIN = InstanceConfig("kvcached-pd-staged-nospin",
                                   dict(kvcached_pd_env("staged"), KVCACHED_PD_READ_SPIN_US="0"))
 PD_STAGED_PREALLOC = InstanceConfig("kvcached-pd-staged-prealloc",
                                     dict(kvcached_pd_env("staged"), **PREALLOC_PAGES))
+# kvcached's own default layout (contiguous: one compound page maps every layer), which
+# the staged transport serves and the direct path refuses.
+PD_STAGED_CONTIG = InstanceConfig(
+    "kvcached-pd-staged-contiguous",
+    {k: v for k, v in kvcached_pd_env("staged").items() if k != "KVCACHED_CONTIGUOUS_LAYOUT"})
 BENCH_ONLY = "bench-only"  # tag: left out of 'all' (the equivalence harness's default)
 
 MODES: dict[str, Mode] = {
@@ -113,6 +118,10 @@ MODES: dict[str, Mode] = {
         _pd("push-vanilla",
             "NixlPushConnector without kvcached (tells vLLM's push apart from ours)",
             VANILLA, VANILLA, connector="NixlPushConnector", optional=True),
+        _pd("staged-contiguous", "PD, kvcached_pd staged on kvcached's default (contiguous) "
+            "layout", PD_STAGED_CONTIG, PD_STAGED_CONTIG),
+        _pd("push-contiguous", "NixlPushConnector, kvcached_pd staged, contiguous layout",
+            PD_STAGED_CONTIG, PD_STAGED_CONTIG, connector="NixlPushConnector", optional=True),
         _pd("blocksize", "kvcached_pd staged, P --block-size 16, D --block-size 32",
             PD_STAGED, InstanceConfig("kvcached-pd-staged-bs32", kvcached_pd_env("staged"), 32)),
         _pd("negative", "negative control: kvcached_pd staged + KVCACHED_PD_TEST_CORRUPT=1 "
