@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from kvcached_pd import vllm_nixl
-from kvcached_pd.config import kvcached_enabled
+from kvcached_pd import config
 from kvcached_pd.errors import LayoutMismatch, UnsupportedConfiguration
 from kvcached_pd.kv_spans import Span, clip_to, merge_spans, overlaps, physical_spans, within
 from kvcached_pd.patches.base import Patch
@@ -234,7 +234,7 @@ def _watch_nixl_wrapper(worker: Any, plan: RegistrationPlan) -> Iterator[None]:
 def _make_register_hook(original):
     @functools.wraps(original)
     def register_kv_caches(self, kv_caches, *args, **kwargs):
-        if not kvcached_enabled():
+        if not config.settings().kvcached_enabled:
             return original(self, kv_caches, *args, **kwargs)
         plan = plan_registration(self, kv_caches)
         with _watch_nixl_wrapper(self, plan):
