@@ -135,6 +135,20 @@ def staging_memory_problems(settings: config.Settings, free_bytes: int | None,
             "region holds the KV of requests in flight between prefill and decode)."]
 
 
+def kv_cache_config_problems(settings: config.Settings, kv_cache_config) -> list[str]:
+    """Refusals that need vLLM's KV-cache config but not the KV tensors, so they are made
+    when the connector is created (before the KV cache is allocated) instead of in
+    ``register_kv_caches`` (which keeps the same check as a backstop)."""
+    if not settings.active or not settings.kvcached_enabled or kv_cache_config is None:
+        return []
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if any(type(g.kv_cache_spec).__name__.startswith("Mamba") for g in groups):
+        return ["kvcached-pd cannot describe hybrid/mamba KV caches to NIXL (state tensors "
+                "share kvcached pages with attention blocks). Run this model without "
+                f"{config.ENABLE_KVCACHED}, or without a NIXL connector."]
+    return []
+
+
 def device_free_bytes() -> int | None:
     """Free memory of this process's current CUDA device, or None without one.
 

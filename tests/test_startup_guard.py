@@ -86,6 +86,25 @@ def test_explicit_staged_transport_serves_or_stops_startup():
         assert report.returncode == 1 and "cannot serve" in report.stdout
 
 
+def test_hybrid_model_is_refused_when_the_connector_is_created():
+    """Known from vLLM's KV-cache config, so refused before the KV cache exists."""
+    code = CREATE.replace(
+        "kv_cache_config = vw.kv_cache_config(",
+        "import torch\n"
+        "from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec\n"
+        "kv_cache_config = vw.kv_cache_config(",
+    ).replace(
+        "try:\n",
+        "kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(['model.layers.1.mixer'],"
+        " MambaSpec(block_size=16, shapes=((4,),), dtypes=(torch.float16,))))\ntry:\n",
+        1,
+    )
+    env = subproc.clean_env(**GOOD, **kvcached_on_path())
+    error = subproc.run_json(code, env=env)["error"]
+    assert error is not None and error.startswith("UnsupportedConfiguration")
+    assert "cannot describe hybrid/mamba KV caches" in error
+
+
 def test_staging_larger_than_the_device_stops_the_worker_connector():
     """In a worker the staging size is checked against the device's free memory when
     the connector is created, before the KV cache is allocated. The CPU has no device:

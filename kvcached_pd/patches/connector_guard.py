@@ -6,8 +6,8 @@ each worker. For a NIXL connector it raises
 :class:`~kvcached_pd.errors.UnsupportedConfiguration` for every problem
 :func:`kvcached_pd.checks.startup_problems` finds (unsupported vLLM, kvcached's
 contiguous layout, kvcached missing, a bad kvcached-pd setting, a staged transport
-asked for that cannot serve, a patch that failed to apply) and, in a worker, for a
-staging region larger than the device's free memory. vLLM's plugin loader swallows
+asked for that cannot serve, a patch that failed to apply, a hybrid/mamba model under kvcached: every check that needs no KV tensor) and,
+in a worker, for a staging region larger than the device's free memory. vLLM's plugin loader swallows
 exceptions, so this is where activation problems become a startup failure.
 
 ``kvcached-pd doctor`` runs the same ``startup_problems`` on the same settings, so it
@@ -48,9 +48,10 @@ class ConnectorGuardPatch(Patch):
         # Handed over by activation: the patches that failed to apply in this process.
         self.activation_failures: Callable[[], dict[str, str]] = dict
 
-    def problems(self, role=None) -> list[str]:
+    def problems(self, role=None, kv_cache_config=None) -> list[str]:
         settings = self.settings
         problems = checks.startup_problems(settings, nixl=True, failed=self.activation_failures())
+        problems += checks.kv_cache_config_problems(settings, kv_cache_config)
         if _is_worker(role):
             problems += checks.staging_memory_problems(settings, checks.device_free_bytes())
         return problems
@@ -72,7 +73,8 @@ class ConnectorGuardPatch(Patch):
                     if connector_cls is not None
                     else "nixl" in name.lower()
                 )
-                problems = guard.problems(role) if is_nixl else []
+                kv_cache_config = args[0] if args else kwargs.get("kv_cache_config")
+                problems = guard.problems(role, kv_cache_config) if is_nixl else []
                 if problems:
                     raise UnsupportedConfiguration(
                         "kvcached-pd refuses to start NIXL:\n  - "
