@@ -40,11 +40,6 @@ class ActivationState:
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why
     failed: dict[str, str] = field(default_factory=dict)  # name -> error
 
-    def problems(self) -> list[str]:
-        out = list(self.settings.problems) if self.settings else []
-        out += [f"patch {n} failed to apply: {e}" for n, e in self.failed.items()]
-        return out
-
 
 def state() -> ActivationState | None:
     return _state

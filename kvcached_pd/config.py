@@ -213,8 +213,15 @@ def _parse_pack_kernel(raw: str | None, env: Mapping[str, str]) -> Parsed:
     return value, None
 
 
+def state_dir(env: Mapping[str, str] | None = None) -> str:
+    """Where running processes publish their registrations for the doctor."""
+    env = os.environ if env is None else env
+    return env.get(KVCACHED_PD_STATE_DIR) or os.path.join(
+        tempfile.gettempdir(), f"kvcached-pd-{os.getuid()}")
+
+
 def _parse_state_dir(raw: str | None, env: Mapping[str, str]) -> Parsed:
-    return raw or os.path.join(tempfile.gettempdir(), f"kvcached-pd-{os.getuid()}"), None
+    return state_dir(env), None
 
 
 def _parse_kvcached_switch(reader: Callable[[Mapping[str, str]], bool]):
