@@ -8,7 +8,9 @@ or wrapt, is imported.
 
 With the gate open it registers one wrapt post-import hook per patch of the table
 (``kvcached_pd.patches.PATCHES``), so patch code runs only when vLLM (or kvcached)
-imports the target, in either order. A hook that raises would break the user's
+imports the target, in either order, and hands each patch the process's one parsed
+``config.settings()``. Test-only patches (``kvcached_pd.testing``) are armed only by
+their own variable. A hook that raises would break the user's
 ``import vllm``; errors are caught and logged, recorded as blocking problems (the
 connector guard turns them into a startup failure when NIXL is used), and re-raised
 only in strict mode (``KVCACHED_PD_STRICT=1``, for tests).
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 from kvcached_pd import config
 
-logger = logging.getLogger("kvcached_pd")
+from kvcached_pd.log import logger
 
 _lock = threading.Lock()
 _state: "ActivationState | None" = None
@@ -38,11 +40,6 @@ class ActivationState:
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why
     failed: dict[str, str] = field(default_factory=dict)  # name -> error
 
-    def problems(self) -> list[str]:
-        out = list(self.settings.problems) if self.settings else []
-        out += [f"patch {n} failed to apply: {e}" for n, e in self.failed.items()]
-        return out
-
 
 def state() -> ActivationState | None:
     return _state
@@ -55,7 +52,7 @@ def activate() -> ActivationState:
         if _state is not None:
             logger.debug("kvcached-pd: activate() called again; already done")
             return _state
-        if not config.gate_open():
+        if not config.gate_open():  # cheap: no settings parsed, nothing imported
             _state = ActivationState(active=False)
             return _state
         _state = _activate()
@@ -65,38 +62,55 @@ def activate() -> ActivationState:
 def _activate() -> ActivationState:
     import wrapt
 
-    from kvcached_pd.patches import PATCH_NAMES, PATCHES
+    from kvcached_pd import log, testing
+    from kvcached_pd.checks import GUARD
+    from kvcached_pd.patches import PATCHES
     from kvcached_pd.versions import installed_version
 
-    settings = config.read_settings(PATCH_NAMES)
+    # First, so that every line below (and those of hooks firing at once because vLLM
+    # is already imported, as under the plugin entry point) reaches vLLM's handler.
+    wrapt.register_post_import_hook(log.follow_vllm_logging, "vllm.logger")
+
+    settings = config.settings()
     st = ActivationState(active=True, vllm_version=installed_version("vllm"), settings=settings)
     for problem in settings.problems:
         logger.error("kvcached-pd: %s", problem)
-    for patch in PATCHES:
-        if patch.name in settings.disabled_patches:
+    for patch in PATCHES + testing.armed(settings):
+        if patch.name in settings.disabled_patches and patch.name != GUARD:
             st.skipped[patch.name] = f"disabled by {config.KVCACHED_PD_DISABLE}"
             continue
         ok, why = patch.applies(st.vllm_version)
         if not ok:
             st.skipped[patch.name] = why
             continue
+        if patch.name == GUARD:
+            patch.activation_failures = lambda: dict(st.failed)
         st.registered.append(patch.name)
         wrapt.register_post_import_hook(_hook_for(patch, st), patch.target_module)
+    # Logged once vLLM's logging is in place (at once if it already is).
+    wrapt.register_post_import_hook(lambda _m: _log_summary(st), "vllm.logger")
+    return st
+
+
+def _log_summary(st: ActivationState) -> None:
+    from kvcached_pd.checks import serving_transport
+
+    transport, why = serving_transport(st.settings, st.vllm_version)
     logger.info(
-        "kvcached-pd: active (vLLM %s, transport %s); patches waiting for their imports: %s;"
+        "kvcached-pd: active (vLLM %s, transport %s: %s); patches waiting for their imports: %s;"
         " skipped: %s",
         st.vllm_version,
-        settings.transport,
+        transport,
+        why,
         ", ".join(st.registered) or "none",
         ", ".join(f"{n} ({w})" for n, w in st.skipped.items()) or "none",
     )
-    return st
 
 
 def _hook_for(patch, st: ActivationState):
     def hook(module) -> None:
         try:
-            changed = patch.patch()
+            changed = patch.patch(st.settings)
         except Exception as exc:  # noqa: BLE001 - a hook must not break `import vllm`
             st.failed[patch.name] = f"{type(exc).__name__}: {exc}"
             level = logging.ERROR if patch.fail_closed else logging.WARNING
@@ -120,7 +134,9 @@ def _hook_for(patch, st: ActivationState):
 
 
 def _reset_for_tests() -> None:
-    """Forget activation (hooks stay registered with wrapt); tests only."""
+    """Forget activation and the parsed settings (hooks stay registered with wrapt);
+    tests only."""
     global _state
     with _lock:
         _state = None
+    config.reset_settings_for_tests()

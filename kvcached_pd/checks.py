@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 from kvcached_pd import config
 from kvcached_pd.versions import SUPPORTED_VLLM, installed_version
 
 REQUIRED_FOR_NIXL = ("kvcached_coexistence", "nixl_layout", "nixl_registration")
+HEAD_MAJOR_LAYOUTS = ("HND", "LBHNC")
+GUARD = "connector_guard"  # armed whenever the gate is open, even if named in KVCACHED_PD_DISABLE
 
 
 def vllm_version_problems() -> list[str]:
@@ -86,8 +89,8 @@ def contiguous_layout_problem(env=None) -> str | None:
 def layout_problems(env=None) -> list[str]:
     """An explicit head-major layout wins over every connector in vLLM's resolution."""
     env = os.environ if env is None else env
-    requested = env.get("VLLM_KV_CACHE_LAYOUT", "").strip().upper()
-    if requested in ("HND", "LBHNC"):
+    requested = env.get(config.VLLM_KV_CACHE_LAYOUT, "").strip().upper()
+    if requested in HEAD_MAJOR_LAYOUTS:
         return [
             f"VLLM_KV_CACHE_LAYOUT={requested} forces a head-major KV layout, which "
             "kvcached cannot provide (its tensors are NHD only). Unset it or set NHD."
@@ -108,18 +111,112 @@ def patch_set_problems(disabled: frozenset[str]) -> list[str]:
     ]
 
 
-def blocking_problems(nixl: bool = True, env=None) -> list[str]:
-    """Everything that must stop a kvcached + NIXL startup in this process."""
-    from kvcached_pd.activation import state
+def serving_transport(settings: config.Settings, vllm_version: str | None) -> tuple[str, str]:
+    """The data path that will actually move KV for this vLLM, and why.
 
-    problems: list[str] = []
-    if nixl:
+    The staged transport's hooks exist for vLLM 0.24-0.28's code layout only
+    (``StagedTransportPatch.vllm_range``); elsewhere a requested ``staged`` means vLLM's
+    own per-block path.
+    """
+    from kvcached_pd.patches.staged_transport import StagedTransportPatch
+
+    if not settings.active:
+        return "vLLM's own", "kvcached-pd is off: nothing is patched"
+    if settings.transport != "staged":
+        return "direct", f"{config.KVCACHED_PD_TRANSPORT}={settings.transport}"
+    if StagedTransportPatch.name in settings.disabled_patches:
+        return "direct", f"{StagedTransportPatch.name} is disabled by {config.KVCACHED_PD_DISABLE}"
+    staged_range = StagedTransportPatch.vllm_range
+    if vllm_version is None or not staged_range.contains(vllm_version):
+        return "direct", (f"the staged transport serves vLLM {staged_range} only; "
+                          f"vLLM here: {vllm_version or 'not installed'}")
+    return "staged", (f"vLLM {vllm_version} is in {staged_range}; a request that staging "
+                      "cannot serve (TP>1, several KV groups) takes the direct path and says so")
+
+
+def transport_problems(settings: config.Settings, vllm_version: str | None) -> list[str]:
+    """``KVCACHED_PD_TRANSPORT=staged`` asked for by name must be what serves: an operator
+    who asked for it would otherwise get vLLM's per-block path (0.5 GB/s with kvcached
+    peers on the 2xH200 host) without a word."""
+    if not (settings.active and settings.transport_explicit and settings.transport == "staged"):
+        return []
+    transport, why = serving_transport(settings, vllm_version)
+    if transport == "staged":
+        return []
+    return [f"{config.KVCACHED_PD_TRANSPORT}=staged was asked for but cannot serve: {why}. "
+            f"Unset {config.KVCACHED_PD_TRANSPORT} (the direct path then serves) or install "
+            "a vLLM the staged transport supports."]
+
+
+def staging_memory_problems(settings: config.Settings, free_bytes: int | None,
+                            what: str = "free on this worker's device") -> list[str]:
+    """A staging region larger than the device memory left cannot be allocated.
+
+    Checked when the worker's connector is created: vLLM then has not yet allocated its
+    KV cache, so this is a necessary condition only (vLLM's KV cache still takes its
+    share of what is free afterwards), but it turns a typo such as 99999999 MiB into a
+    refusal before the KV cache is allocated instead of an error inside
+    ``register_kv_caches``.
+    """
+    if (not settings.active or settings.transport != "staged" or free_bytes is None
+            or settings.staging_bytes is None):
+        return []  # the engine-derived default never exceeds the KV budget
+    if settings.staging_bytes <= free_bytes:
+        return []
+    return [f"{config.KVCACHED_PD_STAGING_MB}={settings.staging_mb} MiB of staging does not fit: "
+            f"{free_bytes >> 20} MiB {what}. Lower {config.KVCACHED_PD_STAGING_MB} (the staging "
+            "region holds the KV of requests in flight between prefill and decode)."]
+
+
+def kv_cache_config_problems(settings: config.Settings, kv_cache_config) -> list[str]:
+    """Refusals that need vLLM's KV-cache config but not the KV tensors, so they are made
+    when the connector is created (before the KV cache is allocated) instead of in
+    ``register_kv_caches`` (which keeps the same check as a backstop)."""
+    if not settings.active or not settings.kvcached_enabled or kv_cache_config is None:
+        return []
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if any(type(g.kv_cache_spec).__name__.startswith("Mamba") for g in groups):
+        return ["kvcached-pd cannot describe hybrid/mamba KV caches to NIXL (state tensors "
+                "share kvcached pages with attention blocks). Run this model without "
+                f"{config.ENABLE_KVCACHED}, or without a NIXL connector."]
+    return []
+
+
+def device_free_bytes() -> int | None:
+    """Free memory of this process's current CUDA device, or None without one.
+
+    Only called from a worker's connector creation, where vLLM has already selected
+    the device; never initialises CUDA anywhere else.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
+
+
+def startup_problems(settings: config.Settings, *, nixl: bool = True, failed: dict | None = None,
+                     vllm_version: str | None = None, env=None) -> list[str]:
+    """Everything that makes startup refuse a NIXL connector with these settings.
+
+    The connector guard raises on these and ``kvcached-pd doctor`` exits 1 on the same
+    list, so the doctor predicts startup. Nothing is refused while the gate is closed:
+    nothing is patched then, the guard included.
+    """
+    if not settings.active:
+        return []
+    problems: list[str] = list(settings.problems)
+    if nixl and settings.kvcached_enabled:
         problems += vllm_version_problems()
         problems += kvcached_problems(env)
         problems += layout_problems(env)
-    st = state()
-    if st is not None and st.active:
-        problems += st.problems()
-        if st.settings is not None:
-            problems += patch_set_problems(st.settings.disabled_patches)
+    problems += patch_set_problems(settings.disabled_patches)
+    if nixl:
+        problems += transport_problems(settings, vllm_version or installed_version("vllm"))
+    problems += [f"patch {n} failed to apply: {e}" for n, e in (failed or {}).items()]
+    if problems and GUARD in settings.disabled_patches:
+        problems.append(
+            f"{config.KVCACHED_PD_DISABLE} names {GUARD}, which cannot waive these: they "
+            "would move KV wrongly or not as asked. Fix them; the guard stays armed."
+        )
     return problems

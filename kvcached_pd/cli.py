@@ -3,7 +3,10 @@
 ``kvcached-pd doctor`` prints the versions that matter, the environment gates, which
 patches apply to the installed vLLM and why (not), the configuration problems that
 would stop a kvcached + NIXL startup, and the KV registrations of running vLLM
-processes. Exit status 1 when a blocking problem is found, 0 otherwise.
+processes. It reads the same settings and runs the same checks as the connector guard
+(``checks.startup_problems``), so it exits 1 exactly when a NIXL startup in this
+environment would be refused, and 0 otherwise, including when kvcached-pd is off
+(it then says that nothing will be patched).
 """
 
 from __future__ import annotations
@@ -16,62 +19,72 @@ from kvcached_pd import config
 from kvcached_pd.versions import installed_version
 
 PACKAGES = ("vllm", "kvcached", "nixl", "nixl-cu13", "nixl-cu12", "torch", "wrapt")
-GATES = (
-    config.ENABLE_KVCACHED,
-    config.KVCACHED_AUTOPATCH,
-    config.KVCACHED_CONTIGUOUS_LAYOUT,
-    config.KVCACHED_PD,
-    config.KVCACHED_PD_DISABLE,
-    config.KVCACHED_PD_TRANSPORT,
-    config.KVCACHED_PD_STAGING_MB,
-    "VLLM_KV_CACHE_LAYOUT",
-)
 
 
 def doctor(args: argparse.Namespace) -> int:
-    from kvcached_pd.checks import (
-        kvcached_problems,
-        layout_problems,
-        patch_set_problems,
-        vllm_version_problems,
-    )
-    from kvcached_pd.patches import PATCH_NAMES, PATCHES
+    from kvcached_pd import checks
+    from kvcached_pd.patches import PATCHES
     from kvcached_pd.registry import live_snapshots
 
     out = sys.stdout
+    settings = config.settings()
+    vllm_version = installed_version("vllm")
     out.write("kvcached-pd doctor\n\nversions:\n")
     for name in PACKAGES:
         out.write(f"  {name:10s} {installed_version(name) or '-'}\n")
-    out.write("\nenvironment:\n")
-    for name in GATES:
-        out.write(f"  {name}={os.environ.get(name, '')!s}\n")
-    gate = config.gate_open()
-    kvcached_on = config.kvcached_enabled()
-    out.write(f"  -> kvcached-pd gate {'OPEN' if gate else 'closed'}; kvcached {'on' if kvcached_on else 'off'}\n")
 
-    settings = config.read_settings(PATCH_NAMES)
-    vllm_version = installed_version("vllm")
+    out.write("\nenvironment (every variable kvcached-pd reads):\n")
+    for var in config.VARIABLES:
+        value = os.environ.get(var.name)
+        shown = repr(value) if value is not None else f"unset (default: {var.default})"
+        out.write(f"  {var.name:27s} {shown}\n")
+    for note in _kvcached_reading_notes():
+        out.write(f"  note: {note}\n")
+
+    if not settings.active:
+        out.write(f"\nkvcached-pd: OFF ({settings.gate_reason}).\n"
+                  "  A vLLM started with this environment runs without kvcached-pd: nothing is "
+                  "patched, nothing is refused. Not a problem unless you meant to use it: run "
+                  "the doctor in the environment you serve with.\n")
+    else:
+        transport, why = checks.serving_transport(settings, vllm_version)
+        out.write(f"\nkvcached-pd: ON ({settings.gate_reason}).\n"
+                  f"  transport that will serve: {transport} ({why})\n")
+
+    failed: dict[str, str] = {}
     out.write("\npatches:\n")
     for patch in PATCHES:
         ok, why = patch.applies(vllm_version)
-        if patch.name in settings.disabled_patches:
-            verdict, why = "off", f"disabled by {config.KVCACHED_PD_DISABLE}"
+        if not settings.active:
+            verdict, why = "off", "kvcached-pd is off"
+        elif patch.name in settings.disabled_patches and patch.name != checks.GUARD:
+            verdict, why = "disabled", f"by {config.KVCACHED_PD_DISABLE}"
+        elif patch.name in settings.disabled_patches:
+            verdict, why = "applies", f"{config.KVCACHED_PD_DISABLE} cannot turn the guard off"
         else:
             verdict = "applies" if ok else "skipped"
-        if args.deep and verdict == "applies":
-            why += "; " + _dry_run(patch)
+        if args.deep and ok and verdict != "disabled":  # the hook points, even while off
+            result = _dry_run(patch)
+            if result.startswith("DRY RUN FAILED") and patch.fail_closed and settings.active:
+                failed[patch.name] = result
+            why += "; " + result
         out.write(f"  {patch.name:22s} {verdict:8s} {why}\n    {patch.summary}\n")
 
-    problems: list[str] = list(settings.problems)
-    if kvcached_on and args.nixl:
-        problems += vllm_version_problems()
-        problems += kvcached_problems()
-        problems += layout_problems()
-    if gate:
-        problems += patch_set_problems(settings.disabled_patches)
-    out.write("\nproblems:\n" if problems else "\nproblems: none\n")
-    for p in problems:
-        out.write(f"  BLOCKING: {p}\n")
+    problems = checks.startup_problems(settings, nixl=args.nixl, failed=failed,
+                                       vllm_version=vllm_version)
+    if args.deep and settings.active:
+        problems += checks.staging_memory_problems(
+            settings, _device_total_bytes(), "in all on this machine's first CUDA device")
+    if problems:
+        out.write("\nproblems (startup refuses a NIXL connector):\n")
+        for p in problems:
+            out.write(f"  BLOCKING: {p}\n")
+    else:
+        out.write("\nproblems: none\n")
+    if not settings.active and settings.problems:
+        out.write("ignored while kvcached-pd is off (they block once it is on):\n")
+        for p in settings.problems:
+            out.write(f"  - {p}\n")
 
     snapshots = list(live_snapshots())
     out.write(f"\nlive registrations ({len(snapshots)} process(es)):\n")
@@ -83,6 +96,31 @@ def doctor(args: argparse.Namespace) -> int:
                 f"{reg['registered_bytes'] / 2**20:.1f} MiB registered\n"
             )
     return 1 if problems else 0
+
+
+def _kvcached_reading_notes(env=None) -> list[str]:
+    """Values that read one way to a person and another to kvcached (which accepts only
+    ``true``/``1``, and ``true`` alone for the layout)."""
+    env = os.environ if env is None else env
+    notes = []
+    raw = env.get(config.ENABLE_KVCACHED)
+    if raw is not None and raw.strip().lower() in config._TRUE and not config.kvcached_enabled(env):
+        notes.append(f"kvcached reads {config.ENABLE_KVCACHED}={raw!r} as OFF (it accepts 'true' or '1')")
+    raw = env.get(config.KVCACHED_CONTIGUOUS_LAYOUT)
+    if raw is not None and raw.strip().lower() in config._TRUE and not config.kvcached_contiguous_layout(env):
+        notes.append(f"kvcached reads {config.KVCACHED_CONTIGUOUS_LAYOUT}={raw!r} as FALSE "
+                     "(only 'true' is true)")
+    return notes
+
+
+def _device_total_bytes() -> int | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)
 
 
 def _dry_run(patch) -> str:

@@ -1,16 +1,29 @@
-"""Environment settings of kvcached-pd, read without importing anything heavy.
+"""Every environment variable kvcached-pd reads, declared once, parsed once per process.
 
-This module is imported by ``sitecustomize`` and by the vLLM plugin entry point in
-every Python process, so it must stay cheap: the standard library only, no vLLM,
-torch or wrapt. Everything an operator can set lives here, with its default, so
-that the README, the doctor and the code agree.
+``VARIABLES`` is the one list: name, default, parser and meaning of each variable. The
+doctor prints it, the README's table is checked against it (tests/test_operator_docs.py)
+and the test suite clears it between tests. :func:`settings` parses it once per process
+and every consumer (activation, the connector guard, the patches) reads that object,
+the way OpenTelemetry's instrumentors close over a configuration parsed once.
+
+kvcached's own switches are parsed exactly as kvcached 0.1.6 parses them (``"1"`` and
+``"true"``, any case, no whitespace stripped; tests/test_settings.py compares both on
+the same inputs): kvcached-pd must agree with kvcached about whether kvcached is on and
+which layout it builds, or it guards the wrong configuration.
+
+This module is imported by ``sitecustomize`` and the vLLM plugin in every Python
+process, so it stays cheap: the standard library only, no vLLM, torch or wrapt.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 ENABLE_KVCACHED = "ENABLE_KVCACHED"  # kvcached's own switch
 KVCACHED_AUTOPATCH = "KVCACHED_AUTOPATCH"  # kvcached's own switch
@@ -24,6 +37,8 @@ KVCACHED_PD_READ_SPIN_US = "KVCACHED_PD_READ_SPIN_US"  # D: wait this long for a
 KVCACHED_PD_PACK_KERNEL = "KVCACHED_PD_PACK_KERNEL"  # auto | triton | torch
 KVCACHED_PD_TRACE = "KVCACHED_PD_TRACE"  # log one timestamped line per handoff event
 KVCACHED_PD_TEST_CORRUPT = "KVCACHED_PD_TEST_CORRUPT"  # test-only negative control
+KVCACHED_PD_STATE_DIR = "KVCACHED_PD_STATE_DIR"  # where processes publish registrations
+VLLM_KV_CACHE_LAYOUT = "VLLM_KV_CACHE_LAYOUT"  # vLLM's own; head-major values are refused
 
 TRANSPORTS = ("staged", "direct")
 PACK_KERNELS = ("auto", "triton", "torch")  # auto: Triton once proven on the device
@@ -31,7 +46,10 @@ PACK_KERNELS = ("auto", "triton", "torch")  # auto: Triton once proven on the de
 # remote then); direct, i.e. vLLM's own data path, for plain vLLM unless asked.
 DEFAULT_TRANSPORT_WITH_KVCACHED = "staged"
 DEFAULT_TRANSPORT = "direct"
-DEFAULT_STAGING_MB = None  # sized from the engine (kvcached_pd.transport.sizing)
+DEFAULT_STAGING_MB = None  # unset: sized from the engine (kvcached_pd.transport.sizing)
+# Extents of the staging region start on this boundary (bytes): a page, so NIXL
+# descriptors and the pack kernels' 8-byte words never straddle one.
+STAGING_ALIGNMENT = 4096
 # The decode side polls its staged READs once per engine step. A READ predicted to end
 # within this budget is waited for in the same step, saving a whole engine step of
 # latency for at most this much blocking. 0 turns it off.
@@ -40,41 +58,258 @@ MAX_READ_SPIN_US = 20000
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
+BOOLEAN_VALUES = "1/true/yes/on or 0/false/no/off"
 
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in _TRUE
 
 
+# -- kvcached's own switches, exactly as kvcached 0.1.6 reads them -----------------------
+def _kvcached_bool(value: str | None) -> bool:
+    """kvcached's ``os.getenv(name, "false").lower() in ("true", "1")``."""
+    return (value if value is not None else "false").lower() in ("true", "1")
+
+
 def kvcached_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """True when kvcached backs vLLM's KV cache in this process (its own gate)."""
+    """True when kvcached backs vLLM's KV cache (``kvcached.integration.patch_base``)."""
     env = os.environ if env is None else env
-    return _truthy(env.get(ENABLE_KVCACHED))
+    return _kvcached_bool(env.get(ENABLE_KVCACHED))
+
+
+def kvcached_autopatch(env: Mapping[str, str] | None = None) -> bool:
+    """Whether kvcached's autopatch runs when vLLM is imported.
+
+    kvcached's ``kvcached_autopatch.pth`` does ``setdefault("KVCACHED_AUTOPATCH", "1")``
+    when ``ENABLE_KVCACHED`` is on, then its vLLM autopatch reads ``KVCACHED_AUTOPATCH``;
+    so ``ENABLE_KVCACHED=true`` alone turns kvcached's patches on.
+    """
+    env = os.environ if env is None else env
+    value = env.get(KVCACHED_AUTOPATCH)
+    if value is None and kvcached_enabled(env):
+        value = "1"
+    return _kvcached_bool(value)
 
 
 def kvcached_contiguous_layout(env: Mapping[str, str] | None = None) -> bool:
-    """kvcached's default is the contiguous (layer-interleaved) layout."""
+    """``kvcached.utils._default_contiguous_layout``: an explicit value is true only when
+    it reads ``true`` (``"1"`` is false); unset, contiguous except on ROCm."""
     env = os.environ if env is None else env
-    return (env.get(KVCACHED_CONTIGUOUS_LAYOUT, "true").strip().lower()) in _TRUE
+    explicit = env.get(KVCACHED_CONTIGUOUS_LAYOUT)
+    if explicit is not None:
+        return explicit.lower() == "true"
+    torch = sys.modules.get("torch")  # never imported here; ROCm is outside NIXL's path
+    return not getattr(getattr(torch, "version", None), "hip", None)
+
+
+# -- the gate ---------------------------------------------------------------------------
+def _forced(env: Mapping[str, str]) -> str | None:
+    """``KVCACHED_PD`` as "on", "off", "unknown", or None when unset/empty."""
+    raw = env.get(KVCACHED_PD)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    return "on" if value in _TRUE else "off" if value in _FALSE else "unknown"
 
 
 def gate_open(env: Mapping[str, str] | None = None) -> bool:
     """Whether kvcached-pd activates in this process.
 
-    On when kvcached's own activation is on (``ENABLE_KVCACHED=true`` and
-    ``KVCACHED_AUTOPATCH=1``), unless ``KVCACHED_PD=0``; ``KVCACHED_PD=1`` turns it on
-    without kvcached (the staged transport also serves plain vLLM).
+    On when kvcached's own activation is on (``ENABLE_KVCACHED`` and its autopatch, read
+    as kvcached reads them), unless ``KVCACHED_PD=0``; ``KVCACHED_PD=1`` turns it on
+    without kvcached (the staged transport also serves plain vLLM). An unrecognised
+    ``KVCACHED_PD`` opens the gate too, so that the connector guard is armed to refuse
+    it: silently reading it as "off" would hand NIXL to kvcached's own patch.
     """
     env = os.environ if env is None else env
-    forced = env.get(KVCACHED_PD)
-    if forced is not None and forced.strip() != "":
-        return _truthy(forced)
-    return _truthy(env.get(ENABLE_KVCACHED)) and _truthy(env.get(KVCACHED_AUTOPATCH))
+    forced = _forced(env)
+    if forced is not None:
+        return forced != "off"
+    return kvcached_enabled(env) and kvcached_autopatch(env)
+
+
+def gate_reason(env: Mapping[str, str] | None = None) -> str:
+    """One sentence saying why the gate is open or closed, for the doctor and the log."""
+    env = os.environ if env is None else env
+    forced = _forced(env)
+    if forced == "off":
+        return (f"{KVCACHED_PD}={env[KVCACHED_PD]!r} turns kvcached-pd off"
+                + ("; kvcached's own NIXL patch applies" if kvcached_enabled(env) else ""))
+    if forced == "on":
+        return f"{KVCACHED_PD}={env[KVCACHED_PD]!r} turns kvcached-pd on"
+    if forced == "unknown":
+        return (f"{KVCACHED_PD}={env[KVCACHED_PD]!r} is not a recognised value; "
+                "kvcached-pd arms its guard to refuse NIXL startup")
+    if kvcached_enabled(env) and kvcached_autopatch(env):
+        return f"kvcached is on ({ENABLE_KVCACHED}, {KVCACHED_AUTOPATCH})"
+    if not kvcached_enabled(env):
+        return (f"kvcached is off ({ENABLE_KVCACHED}={env.get(ENABLE_KVCACHED, '')!r}; kvcached "
+                "reads only 'true' or '1') and KVCACHED_PD is unset")
+    return f"kvcached's autopatch is off ({KVCACHED_AUTOPATCH}={env.get(KVCACHED_AUTOPATCH)!r})"
+
+
+# -- the declared variables --------------------------------------------------------------
+Parsed = tuple[Any, "str | None"]  # (value, problem)
+
+
+def _parse_bool(name: str) -> Callable[[str | None, Mapping[str, str]], Parsed]:
+    def parse(raw: str | None, env: Mapping[str, str]) -> Parsed:
+        if raw is not None and raw.strip().lower() not in _TRUE + _FALSE:
+            return False, f"{name}={raw!r} must be {BOOLEAN_VALUES}"
+        return _truthy(raw), None
+    return parse
+
+
+def _parse_kvcached_pd(raw: str | None, env: Mapping[str, str]) -> Parsed:
+    forced = _forced(env)
+    if forced == "unknown":
+        return None, (f"{KVCACHED_PD}={raw!r} is not a recognised value: use 1 (on), 0 (off; "
+                      "kvcached's own NIXL patch then applies) or leave it unset (follow "
+                      f"{ENABLE_KVCACHED})")
+    return {"on": True, "off": False}.get(forced or ""), None
+
+
+def _parse_disable(raw: str | None, env: Mapping[str, str]) -> Parsed:
+    names = frozenset(n.strip() for n in (raw or "").split(",") if n.strip())
+    return names, None  # unknown names are checked against the patch table by read_settings
+
+
+def _parse_transport(raw: str | None, env: Mapping[str, str]) -> Parsed:
+    default = DEFAULT_TRANSPORT_WITH_KVCACHED if kvcached_enabled(env) else DEFAULT_TRANSPORT
+    value = (raw or default).strip().lower()
+    if value not in TRANSPORTS:
+        return default, f"{KVCACHED_PD_TRANSPORT}={value!r} is not one of {list(TRANSPORTS)}"
+    return value, None
+
+
+def _parse_staging_mb(raw: str | None, env: Mapping[str, str]) -> Parsed:
+    text = (raw or "").strip()
+    if not text:
+        return DEFAULT_STAGING_MB, None  # the engine-derived default
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        return DEFAULT_STAGING_MB, (f"{KVCACHED_PD_STAGING_MB}={text!r} must be a positive "
+                                    "integer (MiB), or unset for the default size")
+    return value, None
+
+
+def _parse_read_spin(raw: str | None, env: Mapping[str, str]) -> Parsed:
+    text = (raw if raw is not None else str(DEFAULT_READ_SPIN_US)).strip()
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_READ_SPIN_US:
+        return DEFAULT_READ_SPIN_US, (f"{KVCACHED_PD_READ_SPIN_US}={text!r} must be an integer "
+                                      f"from 0 (off) to {MAX_READ_SPIN_US} (microseconds)")
+    return value, None
+
+
+def _parse_pack_kernel(raw: str | None, env: Mapping[str, str]) -> Parsed:
+    value = (raw or "auto").strip().lower()
+    if value not in PACK_KERNELS:
+        return "auto", f"{KVCACHED_PD_PACK_KERNEL}={value!r} is not one of {list(PACK_KERNELS)}"
+    return value, None
+
+
+def state_dir(env: Mapping[str, str] | None = None) -> str:
+    """Where running processes publish their registrations for the doctor."""
+    env = os.environ if env is None else env
+    return env.get(KVCACHED_PD_STATE_DIR) or os.path.join(
+        tempfile.gettempdir(), f"kvcached-pd-{os.getuid()}")
+
+
+def _parse_state_dir(raw: str | None, env: Mapping[str, str]) -> Parsed:
+    return state_dir(env), None
+
+
+def _parse_kvcached_switch(reader: Callable[[Mapping[str, str]], bool]):
+    return lambda raw, env: (reader(env), None)
+
+
+def _parse_vllm_layout(raw: str | None, env: Mapping[str, str]) -> Parsed:
+    return (raw or "").strip().upper(), None  # checked by checks.layout_problems
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: what it is called, its default as an operator reads it,
+    how it is parsed (``parse(raw, env) -> (value, problem or None)``) and what it means."""
+
+    name: str
+    default: str
+    meaning: str
+    parse: Callable[[str | None, Mapping[str, str]], Parsed]
+    field: str  # the Settings attribute it fills
+    owner: str = "kvcached-pd"  # or "kvcached", "vLLM": whose variable it is
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable(ENABLE_KVCACHED, "off", "kvcached's switch (kvcached reads only `true`/`1`); "
+             "with kvcached's autopatch it opens kvcached-pd's gate",
+             _parse_kvcached_switch(kvcached_enabled), "kvcached_enabled", owner="kvcached"),
+    Variable(KVCACHED_AUTOPATCH, "on when `ENABLE_KVCACHED` is", "kvcached's autopatch "
+             "(its `.pth` defaults it to `1` when `ENABLE_KVCACHED` is on)",
+             _parse_kvcached_switch(kvcached_autopatch), "kvcached_autopatch", owner="kvcached"),
+    Variable(KVCACHED_CONTIGUOUS_LAYOUT, "`true` (kvcached's)", "kvcached's layout; only "
+             "`true` reads as true (`1` is false); checked against the transport (blocking "
+             "problems below)",
+             _parse_kvcached_switch(kvcached_contiguous_layout), "kvcached_contiguous_layout",
+             owner="kvcached"),
+    Variable(KVCACHED_PD, "follow kvcached", "`0`: kvcached-pd off (kvcached's own NIXL patch "
+             "then applies); `1`: on, also without kvcached; any other value stops startup",
+             _parse_kvcached_pd, "forced"),
+    Variable(KVCACHED_PD_DISABLE, "empty", "comma-separated patch names to leave out "
+             "(`kvcached-pd doctor` lists them); unknown names stop startup; "
+             "`connector_guard` cannot waive a blocking problem",
+             _parse_disable, "disabled_patches"),
+    Variable(KVCACHED_PD_TRANSPORT, "`staged` with kvcached, else `direct`", "`staged`: the "
+             "staged transport (vLLM 0.24-0.28; asked for explicitly elsewhere it stops "
+             "startup); `direct`: vLLM's own per-block descriptors over the physical budget",
+             _parse_transport, "transport"),
+    Variable(KVCACHED_PD_STAGING_MB, "sized from the engine", "MiB of staging per role "
+             "(prefill, decode; a `kv_both` instance has both) of each worker, ordinary device "
+             "memory registered with NIXL. Unset: min(KV budget, max(2 x one max_model_len "
+             "request, 2 x max_num_batched_tokens, 2 GiB)) of KV. A full staging makes "
+             "requests wait, never take the direct path; a size that cannot hold one "
+             "max_model_len request, or more than the device's free memory, stops startup",
+             _parse_staging_mb, "staging_mb"),
+    Variable(KVCACHED_PD_PACK_KERNEL, "auto", "pack/unpack kernels: `auto` uses one Triton "
+             "launch for all layers once a self-check on the device matched the torch path, "
+             "else torch index ops; `triton` requires it (startup stops if it cannot be "
+             "used); `torch` never uses it", _parse_pack_kernel, "pack_kernel"),
+    Variable(KVCACHED_PD_READ_SPIN_US, str(DEFAULT_READ_SPIN_US), "decode side: wait up to this "
+             "long, within one engine step, for a staged READ predicted to end inside it; `0` "
+             f"leaves polling to vLLM; at most {MAX_READ_SPIN_US}",
+             _parse_read_spin, "read_spin_us"),
+    Variable(KVCACHED_PD_TRACE, "off", "log one `kvcached-pd trace {json}` line per handoff "
+             "event (both sides); `experiments/trace_timeline.py LOG_DIR` turns them into "
+             "per-stage timelines", _parse_bool(KVCACHED_PD_TRACE), "trace"),
+    Variable(KVCACHED_PD_STRICT, "off", "re-raise errors inside import hooks (tests)",
+             _parse_bool(KVCACHED_PD_STRICT), "strict"),
+    Variable(KVCACHED_PD_TEST_CORRUPT, "off", "TEST ONLY: D negates the first received block "
+             "(the harness's negative control; `kvcached_pd/testing/`)",
+             _parse_bool(KVCACHED_PD_TEST_CORRUPT), "test_corrupt"),
+    Variable(KVCACHED_PD_STATE_DIR, "`$TMPDIR/kvcached-pd-$UID`", "where running processes "
+             "publish their registrations for the doctor", _parse_state_dir, "state_dir"),
+    Variable(VLLM_KV_CACHE_LAYOUT, "unset (vLLM's)", "vLLM's layout override; `HND`/`LBHNC` "
+             "stop startup with kvcached", _parse_vllm_layout, "vllm_kv_cache_layout",
+             owner="vLLM"),
+)
+
+VARIABLE_NAMES: tuple[str, ...] = tuple(v.name for v in VARIABLES)
 
 
 @dataclass(frozen=True)
 class Settings:
-    """The parsed settings, with the problems found while parsing them."""
+    """The parsed settings of one process, with the problems found while parsing them.
+
+    ``problems`` block a NIXL startup while kvcached-pd is active; with the gate closed
+    nothing reads them (the doctor lists them as ignored).
+    """
 
     disabled_patches: frozenset[str] = frozenset()
     strict: bool = False
@@ -85,73 +320,75 @@ class Settings:
     trace: bool = False
     test_corrupt: bool = False
     problems: tuple[str, ...] = field(default_factory=tuple)
+    # added with the declared list
+    active: bool = False  # the gate (gate_open)
+    gate_reason: str = ""
+    forced: bool | None = None  # KVCACHED_PD: True/False, None when unset or unrecognised
+    kvcached_enabled: bool = False
+    kvcached_autopatch: bool = False
+    kvcached_contiguous_layout: bool = True
+    transport_explicit: bool = False  # KVCACHED_PD_TRANSPORT was set, not defaulted
+    state_dir: str = ""
+    vllm_kv_cache_layout: str = ""
+
+    @property
+    def staging_bytes(self) -> int | None:
+        """Bytes of one role's staging when set explicitly; None: sized from the engine."""
+        return None if self.staging_mb is None else self.staging_mb << 20
 
 
 def read_settings(
     known_patches: frozenset[str], env: Mapping[str, str] | None = None
 ) -> Settings:
-    """Parse the KVCACHED_PD_* variables; bad values become problems, not guesses."""
-    env = os.environ if env is None else env
-    problems: list[str] = []
+    """Parse every declared variable of ``env``; bad values become problems, not guesses.
 
-    disabled = frozenset(
-        name.strip() for name in env.get(KVCACHED_PD_DISABLE, "").split(",") if name.strip()
-    )
-    unknown = sorted(disabled - known_patches)
+    Pure: tests call it with a dict. A process reads its own environment once, through
+    :func:`settings`.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for var in VARIABLES:
+        value, problem = var.parse(env.get(var.name), env)
+        values[var.field] = value
+        if problem:
+            problems.append(problem)
+    unknown = sorted(values["disabled_patches"] - known_patches)
     if unknown:
         problems.append(
             f"{KVCACHED_PD_DISABLE} names unknown patch(es) {unknown}; "
             f"known patches: {sorted(known_patches)}"
         )
-
-    default = DEFAULT_TRANSPORT_WITH_KVCACHED if kvcached_enabled(env) else DEFAULT_TRANSPORT
-    transport = (env.get(KVCACHED_PD_TRANSPORT) or default).strip().lower()
-    if transport not in TRANSPORTS:
-        problems.append(
-            f"{KVCACHED_PD_TRANSPORT}={transport!r} is not one of {list(TRANSPORTS)}"
-        )
-        transport = default
-
-    raw_mb = (env.get(KVCACHED_PD_STAGING_MB) or "").strip()
-    staging_mb = DEFAULT_STAGING_MB
-    if raw_mb:
-        try:
-            staging_mb = int(raw_mb)
-            if staging_mb <= 0:
-                raise ValueError
-        except ValueError:
-            problems.append(f"{KVCACHED_PD_STAGING_MB}={raw_mb!r} must be a positive integer "
-                            "(MiB), or unset for the default size")
-            staging_mb = DEFAULT_STAGING_MB
-
-    raw_spin = env.get(KVCACHED_PD_READ_SPIN_US, str(DEFAULT_READ_SPIN_US)).strip()
-    try:
-        read_spin_us = int(raw_spin)
-        if not 0 <= read_spin_us <= MAX_READ_SPIN_US:
-            raise ValueError
-    except ValueError:
-        problems.append(f"{KVCACHED_PD_READ_SPIN_US}={raw_spin!r} must be an integer from 0 "
-                        f"(off) to {MAX_READ_SPIN_US} (microseconds)")
-        read_spin_us = DEFAULT_READ_SPIN_US
-
-    pack_kernel = (env.get(KVCACHED_PD_PACK_KERNEL) or "auto").strip().lower()
-    if pack_kernel not in PACK_KERNELS:
-        problems.append(f"{KVCACHED_PD_PACK_KERNEL}={pack_kernel!r} is not one of {list(PACK_KERNELS)}")
-        pack_kernel = "auto"
-
-    for name in (KVCACHED_PD_STRICT, KVCACHED_PD_TRACE, KVCACHED_PD_TEST_CORRUPT):
-        value = env.get(name)
-        if value is not None and value.strip().lower() not in _TRUE + _FALSE:
-            problems.append(f"{name}={value!r} must be 0/1 or true/false")
-
     return Settings(
-        disabled_patches=disabled,
-        strict=_truthy(env.get(KVCACHED_PD_STRICT)),
-        transport=transport,
-        staging_mb=staging_mb,
-        read_spin_us=read_spin_us,
-        pack_kernel=pack_kernel,
-        trace=_truthy(env.get(KVCACHED_PD_TRACE)),
-        test_corrupt=_truthy(env.get(KVCACHED_PD_TEST_CORRUPT)),
+        **values,
         problems=tuple(problems),
+        active=gate_open(env),
+        gate_reason=gate_reason(env),
+        transport_explicit=bool((env.get(KVCACHED_PD_TRANSPORT) or "").strip()),
     )
+
+
+_lock = threading.Lock()
+_settings: Settings | None = None
+
+
+def settings() -> Settings:
+    """This process's settings, parsed from ``os.environ`` on first use and kept.
+
+    Activation, the connector guard, the doctor and the patches all read this one
+    object, so a value cannot mean one thing to one of them and another to the next.
+    """
+    global _settings
+    with _lock:
+        if _settings is None:
+            from kvcached_pd.patches import PATCH_NAMES  # light: no vLLM, torch or wrapt
+
+            _settings = read_settings(PATCH_NAMES)
+        return _settings
+
+
+def reset_settings_for_tests() -> None:
+    """Forget the parsed settings so the next :func:`settings` re-reads the environment."""
+    global _settings
+    with _lock:
+        _settings = None

@@ -17,12 +17,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
-STATE_DIR_ENV = "KVCACHED_PD_STATE_DIR"
+from kvcached_pd import config
+
 
 
 @dataclass(frozen=True)
@@ -177,9 +177,8 @@ def direct_path_safe(worker: Any) -> bool:
 
 
 def state_dir() -> str:
-    return os.environ.get(STATE_DIR_ENV) or os.path.join(
-        tempfile.gettempdir(), f"kvcached-pd-{os.getuid()}"
-    )
+    # Read at each call, not from the once-parsed settings: tests point it elsewhere.
+    return config.state_dir()
 
 
 def _publish(snapshot: dict[str, Any]) -> None:

@@ -1,23 +1,44 @@
 #!/usr/bin/env bash
 # Build a CPU virtualenv holding a real vLLM release, NIXL and kvcached-pd's test deps.
 #
-# usage: scripts/install_test_env.sh VENV_DIR VLLM_VERSION
+# usage: scripts/install_test_env.sh VENV_DIR VLLM_VERSION [SHARED_TORCH_DIR]
 #
-# vLLM's wheels pin a CUDA torch; here torch is the CPU build (2.13.0, which pip on
-# these machines resolves from a local file) and vLLM goes in with --no-deps, followed
-# by its own declared requirements minus the GPU-only ones. Real NIXL (UCX) works on
-# host memory, so the tests register and describe real NIXL memory on the CPU.
+# vLLM's wheels pin a CUDA torch; vLLM goes in with --no-deps, followed by its own
+# declared requirements minus the GPU-only ones, against torch 2.13.0. Whatever build of
+# torch 2.13.0 the index gives is accepted: a CPU build where the machine has one (pip
+# here resolves a local file), PyPI's CUDA build elsewhere, which runs these tests on a
+# CPU just as well (it is larger: ~4 GB with its nvidia-* wheels). With
+# SHARED_TORCH_DIR, torch is installed there once and every venv sees it through a .pth
+# file, so the four releases of the matrix download and store it once.
+# Real NIXL (UCX) works on host memory, so the tests register and describe real NIXL
+# memory on the CPU.
 set -euo pipefail
-VENV=${1:?usage: install_test_env.sh VENV_DIR VLLM_VERSION}
-VLLM_VERSION=${2:?usage: install_test_env.sh VENV_DIR VLLM_VERSION}
+VENV=${1:?usage: install_test_env.sh VENV_DIR VLLM_VERSION [SHARED_TORCH_DIR]}
+VLLM_VERSION=${2:?usage: install_test_env.sh VENV_DIR VLLM_VERSION [SHARED_TORCH_DIR]}
+SHARED_TORCH=${3:-}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-quiet() { grep -v -E "^(WARNING: Location|ERROR: pip's dependency resolver|.* requires .*, but you have|.* which is incompatible)" || true; }
+# vLLM is installed without its GPU-only requirements on purpose, so every later pip
+# run ends with pip's resolver notice ("ERROR: pip's dependency resolver ...", "vllm
+# X requires triton..., which is not installed"). Expected here; filtered out.
+quiet() {
+  grep -v -E "^(WARNING: Location|ERROR: pip's dependency resolver|.* requires .*(, but you have|which is not installed)|.* which is incompatible)" || true
+}
 
 python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-"$PY" -m pip install -q torch==2.13.0 2>&1 | quiet
-"$PY" -c "import sys, torch; sys.exit(0 if torch.version.cuda is None else 'a CUDA torch slipped in')"
+if [ -n "$SHARED_TORCH" ]; then
+  if [ ! -f "$SHARED_TORCH/.complete" ]; then
+    rm -rf "$SHARED_TORCH"
+    "$PY" -m pip install -q --target "$SHARED_TORCH" torch==2.13.0 2>&1 | quiet
+    touch "$SHARED_TORCH/.complete"
+  fi
+  PURELIB=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$SHARED_TORCH" > "$PURELIB/kvcached-pd-shared-torch.pth"
+else
+  "$PY" -m pip install -q torch==2.13.0 2>&1 | quiet
+fi
+"$PY" -c "import torch; print(f'torch {torch.__version__} ({\"CUDA \" + torch.version.cuda + \" build, runs on the CPU here\" if torch.version.cuda else \"CPU build\"})')"
 "$PY" -m pip install -q --no-deps "vllm==$VLLM_VERSION" 2>&1 | quiet
 "$PY" "$REPO/scripts/vllm_cpu_requirements.py" > "$VENV/vllm-cpu-requirements.txt"
 printf 'torch==2.13.0\ntransformers==5.17.0\n' > "$VENV/constraints.txt"

@@ -6,16 +6,23 @@ import os
 
 import pytest
 
+from kvcached_pd import config
 from kvcached_pd.versions import installed_version, parse_release
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 
-GATE_VARS = (
-    "ENABLE_KVCACHED", "KVCACHED_AUTOPATCH", "KVCACHED_CONTIGUOUS_LAYOUT", "KVCACHED_PD",
-    "KVCACHED_PD_DISABLE", "KVCACHED_PD_STRICT", "KVCACHED_PD_TRANSPORT",
-    "KVCACHED_PD_STAGING_MB", "KVCACHED_PD_TEST_CORRUPT", "VLLM_KV_CACHE_LAYOUT",
-)
+# Every variable kvcached-pd reads (the declared list), so a developer's shell never
+# leaks into a test.
+GATE_VARS = config.VARIABLE_NAMES
+
+
+@pytest.fixture(autouse=True)
+def fresh_settings():
+    """Settings are parsed once per process; each test parses its own environment."""
+    config.reset_settings_for_tests()
+    yield
+    config.reset_settings_for_tests()
 
 
 def vllm_release() -> tuple[int, ...]:
@@ -32,4 +39,5 @@ def kvcached_env(monkeypatch, tmp_path):
     monkeypatch.setenv("KVCACHED_AUTOPATCH", "1")
     monkeypatch.setenv("KVCACHED_CONTIGUOUS_LAYOUT", "false")
     monkeypatch.setenv("KVCACHED_PD_STATE_DIR", str(tmp_path / "state"))
+    config.reset_settings_for_tests()
     return monkeypatch

@@ -31,8 +31,12 @@ def test_supported_range_edges():
 
 @pytest.mark.parametrize("env,open_", [
     ({}, False),
-    ({"ENABLE_KVCACHED": "true"}, False),
+    ({"ENABLE_KVCACHED": "true"}, True),  # kvcached's .pth defaults KVCACHED_AUTOPATCH to 1
+    ({"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "0"}, False),
+    ({"ENABLE_KVCACHED": "yes", "KVCACHED_AUTOPATCH": "1"}, False),  # kvcached: only true/1
     ({"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1"}, True),
+    ({"ENABLE_KVCACHED": "true", "KVCACHED_PD": "maybe"}, True),  # armed to refuse it
+    ({"KVCACHED_PD": "maybe"}, True),
     ({"ENABLE_KVCACHED": "TRUE", "KVCACHED_AUTOPATCH": "true", "KVCACHED_PD": "0"}, False),
     ({"KVCACHED_PD": "1"}, True),
     ({"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1", "KVCACHED_PD": ""}, True),

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvcached_pd import config
 from kvcached_pd.errors import LayoutMismatch, UnsupportedConfiguration
 from kvcached_pd.kv_spans import physical_spans
 from kvcached_pd.patches import get_patch
@@ -156,6 +157,7 @@ def test_num_blocks_changed_by_another_patch_is_refused(patched, vllm_config):
 
 def test_gate_closed_leaves_vllm_alone(patched, vllm_config, monkeypatch):
     monkeypatch.setenv("ENABLE_KVCACHED", "false")
+    config.reset_settings_for_tests()  # settings are parsed once per process
     backend = vw.attention_backend("FLASH_ATTN")
     caches = kvcached_caches(backend)
     with pytest.raises(AssertionError, match="number of"):

@@ -1,84 +1,185 @@
-"""patch / unpatch / patch twice / import orders, on vLLM's real classes, each in a
-fresh interpreter; unpatch must restore the exact raw objects (classmethods too)."""
+"""Every patch's lifecycle, on vLLM's (and kvcached's) real code, in fresh interpreters.
+
+Modelled on dd-trace-py's ``PatchTestCase``: a patch's test class declares its name and
+inherits every check: patch then patch again (idempotent, nothing wrapped twice),
+unpatch (the exact raw objects back: a classmethod stays that very classmethod), patch
+again after unpatch, target imported before the patch, and the patch armed before the
+target is imported. To keep CI cheap the orderings run in two interpreters shared by
+all patches (one imports every target first and cycles each patch in turn; one arms
+every patch through ``activate()`` before any import), not one interpreter per check.
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+
 import pytest
 
-from tests.support import subproc
+from kvcached_pd.patches import PATCH_NAMES
+from kvcached_pd.testing import TEST_PATCHES
+from tests.support import kvcached_cpu, subproc
 
-LIFECYCLE = r"""
-import json
+# The environment that makes every patch apply: kvcached on, the staged transport (the
+# default with kvcached), the test-only corruption patch armed.
+ENV = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_CONTIGUOUS_LAYOUT="false",
+           KVCACHED_PD_TEST_CORRUPT="1")
+
+PRELUDE = r"""
+import importlib, json
+from tests.support import kvcached_cpu
+kvcached_cpu.install_stand_ins()
 from kvcached_pd.patches import PATCHES
-from kvcached_pd import vllm_nixl
-import importlib
-importlib.import_module(vllm_nixl.NIXL_PACKAGE)
-importlib.import_module(vllm_nixl.FACTORY_MODULE)
+from kvcached_pd import config, testing
+ALL = PATCHES + testing.armed(config.settings())
 
-def raw_state():
-    out = {}
-    for cls in vllm_nixl.connector_classes() + vllm_nixl.worker_classes():
-        for attr in ("get_required_kvcache_layout", "register_kv_caches", "get_finished"):
-            if attr in vars(cls):
-                out[f"{cls.__qualname__}.{attr}"] = id(vars(cls)[attr])
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    out["factory.create_connector"] = id(vars(KVConnectorFactory)["create_connector"])
-    return out
-
-names = ["connector_guard", "nixl_layout", "nixl_registration"]
-patches = [p for p in PATCHES if p.name in names]
-before = raw_state()
-first = [p.patch() for p in patches]
-during = raw_state()
-twice = [p.patch() for p in patches]
-during_again = raw_state()
-types_ok = all(isinstance(vars(o)[a], classmethod)
-               for o in vllm_nixl.nixl_owners(vllm_nixl.connector_classes(), "get_required_kvcache_layout")
-               for a in ["get_required_kvcache_layout"])
-undo = [p.unpatch() for p in reversed(patches)]
-after = raw_state()
-again = [p.patch() for p in patches]
-print(json.dumps({
-    "first": first, "twice": twice, "undo": undo, "again": again,
-    "changed": sorted(k for k in before if before[k] != during.get(k)),
-    "stable": during == during_again, "restored": before == after,
-    "classmethod_kept": types_ok, "patched": [p.is_patched() for p in patches],
-}))
+def target_importable(patch):
+    try:
+        importlib.import_module(patch.target_module)
+        return None
+    except ImportError as exc:
+        return f"{patch.target_module} not importable with this vLLM: {exc}"
 """
 
+IMPORT_THEN_PATCH = PRELUDE + r"""
+MISSING = object()
+out = {}
+for patch in ALL:
+    ok, why = patch.applies()
+    why = None if ok else why
+    why = why or target_importable(patch)
+    if why:
+        out[patch.name] = {"skip": why}
+        continue
+    first = patch.patch()
+    reps = [(r.owner, r.attr, r.original, r.installed) for r in patch._replacements]
+    twice = patch.patch()
+    installed = all(vars(o).get(a, MISSING) is new for o, a, _, new in reps)
+    patched = patch.is_patched()
+    undo = patch.unpatch()
+    restored = all(vars(o).get(a, MISSING) is orig for o, a, orig, _ in reps)
+    undo_twice = patch.unpatch()
+    after_undo = patch.is_patched()
+    again = patch.patch()
+    again_patched = patch.is_patched()
+    patch.unpatch()
+    out[patch.name] = {"first": first, "twice": twice, "replaced": len(reps),
+                       "installed_once": installed, "patched": patched, "undo": undo,
+                       "restored": restored, "undo_twice": undo_twice,
+                       "after_undo": after_undo, "again": again, "again_patched": again_patched}
+print(json.dumps(out))
+"""
 
-def test_patch_twice_unpatch_restores_exactly_and_patch_again():
-    state = subproc.run_json(LIFECYCLE)
-    assert state["first"] == [True, True, True]
-    assert state["twice"] == [False, False, False]
-    assert state["stable"] and state["restored"] and state["classmethod_kept"]
-    assert state["undo"] == [True, True, True]
-    assert state["again"] == [True, True, True] and all(state["patched"])
-    assert any("register_kv_caches" in k for k in state["changed"])
-    assert any("get_required_kvcache_layout" in k for k in state["changed"])
-    assert "factory.create_connector" in state["changed"]
-
-
-ORDER = r"""
-import json
-IMPORT_FIRST
+PATCH_THEN_IMPORT = PRELUDE + r"""
 import kvcached_pd
-kvcached_pd.activate()
-import vllm.distributed.kv_transfer.kv_connector.v1.nixl
-from kvcached_pd.patches import get_patch
-from kvcached_pd.activation import state
-print(json.dumps({n: get_patch(n).is_patched() for n in ("nixl_layout", "nixl_registration", "connector_guard")}
-                 | {"failed": state().failed}))
+st = kvcached_pd.activate()
+skips = {}
+for patch in ALL:
+    why = None if patch.name in st.registered else st.skipped.get(patch.name, "not registered")
+    skips[patch.name] = why or target_importable(patch)  # the import fires the hooks
+out = {p.name: ({"skip": skips[p.name]} if skips[p.name] else
+                {"patched": p.is_patched(), "failed": st.failed.get(p.name)}) for p in ALL}
+print(json.dumps(out))
 """
 
-ON = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_CONTIGUOUS_LAYOUT="false")
+
+def _env() -> dict[str, str]:
+    return subproc.clean_env(PYTHONPATH=kvcached_cpu.kvcached_src(),
+                             KVCACHED_SRC=kvcached_cpu.kvcached_src(), **ENV)
 
 
-@pytest.mark.parametrize("first", ["", "import vllm.distributed.kv_transfer.kv_connector.v1.nixl"])
-def test_import_then_patch_and_patch_then_import(first):
-    state = subproc.run_json(ORDER.replace("IMPORT_FIRST", first), env=subproc.clean_env(**ON))
-    assert state == {"nixl_layout": True, "nixl_registration": True, "connector_guard": True,
-                     "failed": {}}
+@functools.lru_cache(maxsize=None)
+def _run_once(code: str) -> dict | AssertionError:
+    try:
+        return subproc.run_json(code, env=_env())
+    except AssertionError as exc:  # a crashed child fails every test of it, once
+        return exc
+
+
+def import_then_patch() -> dict:
+    result = _run_once(IMPORT_THEN_PATCH)
+    if isinstance(result, AssertionError):
+        raise result
+    return result
+
+
+def patch_then_import() -> dict:
+    result = _run_once(PATCH_THEN_IMPORT)
+    if isinstance(result, AssertionError):
+        raise result
+    return result
+
+
+class PatchLifecycle:
+    """Inherit with ``patch_name`` set; every ordering comes with it."""
+
+    patch_name: str = ""
+
+    def result(self, run) -> dict:
+        if not kvcached_cpu.available():
+            pytest.skip("kvcached source not fetched")
+        state = run()[self.patch_name]
+        if "skip" in state:
+            pytest.skip(state["skip"])
+        return state
+
+    def test_patch_twice_changes_things_once(self):
+        s = self.result(import_then_patch)
+        assert (s["first"], s["twice"]) == (True, False)
+        assert s["replaced"] >= 1 and s["installed_once"] and s["patched"]
+
+    def test_unpatch_restores_the_exact_raw_objects(self):
+        s = self.result(import_then_patch)
+        assert (s["undo"], s["restored"], s["undo_twice"], s["after_undo"]) == (True, True, False, False)
+
+    def test_patch_again_after_unpatch(self):
+        s = self.result(import_then_patch)
+        assert s["again"] and s["again_patched"]
+
+    def test_armed_before_its_target_is_imported(self):
+        s = self.result(patch_then_import)
+        assert s == {"patched": True, "failed": None}
+
+
+class TestKvcachedCoexistence(PatchLifecycle):
+    patch_name = "kvcached_coexistence"
+
+
+class TestConnectorGuard(PatchLifecycle):
+    patch_name = "connector_guard"
+
+
+class TestKvcachedAlloc(PatchLifecycle):
+    patch_name = "kvcached_alloc"
+
+
+class TestKvcachedAllocMrv2(PatchLifecycle):
+    patch_name = "kvcached_alloc_mrv2"
+
+
+class TestNixlLayout(PatchLifecycle):
+    patch_name = "nixl_layout"
+
+
+class TestNixlRegistration(PatchLifecycle):
+    patch_name = "nixl_registration"
+
+
+class TestPushPrefixAlignment(PatchLifecycle):
+    patch_name = "push_prefix_alignment"
+
+
+class TestStagedTransport(PatchLifecycle):
+    patch_name = "staged_transport"
+
+
+class TestCorruptReceivedKV(PatchLifecycle):
+    patch_name = "corrupt_received_kv"
+
+
+def test_every_patch_has_a_lifecycle_class():
+    covered = {cls.patch_name for cls in PatchLifecycle.__subclasses__()}
+    assert covered == set(PATCH_NAMES) | {p.name for p in TEST_PATCHES}
 
 
 def test_unpatch_leaves_a_later_patcher_alone():
@@ -94,3 +195,12 @@ p.unpatch()
 print(json.dumps({"kept": vars(owner)["register_kv_caches"] is someone_elses}))
 """
     assert subproc.run_json(code)["kept"]
+
+
+def test_test_only_patch_is_not_in_the_product_table():
+    assert "corrupt_received_kv" not in PATCH_NAMES
+    from kvcached_pd import config, testing
+
+    assert testing.armed(config.read_settings(PATCH_NAMES, {})) == ()
+    armed = testing.armed(config.read_settings(PATCH_NAMES, {"KVCACHED_PD_TEST_CORRUPT": "1"}))
+    assert [p.name for p in armed] == ["corrupt_received_kv"]

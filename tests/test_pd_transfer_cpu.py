@@ -25,6 +25,7 @@ import time
 import pytest
 import torch
 
+from kvcached_pd import config as kvcached_pd_config
 from kvcached_pd.patches import get_patch
 from kvcached_pd.patches.staged_transport import worker_staging
 from kvcached_pd.registry import REGISTRY, direct_path_safe, peer_direct_path_safe
@@ -85,6 +86,7 @@ def make_side(block_size: int, seed: int, kvcached: bool = True, env=None, push:
             env.setenv("KVCACHED_PD", "1")
             env.setenv("VLLM_KV_CACHE_LAYOUT", "NHD")
         vw.forget_resolved_layout()
+        kvcached_pd_config.reset_settings_for_tests()  # settings are parsed once per process
     model = vw.write_tiny_llama(tempfile.mkdtemp(), LAYERS, HEADS, HEAD_DIM)
     config = vw.make_vllm_config(model, block_size=block_size,
                                  connector="NixlPushConnector" if push else "NixlConnector")

@@ -1,4 +1,6 @@
-"""Bad input stops startup before a NIXL connector exists, with one clear message.
+"""Bad input stops startup before a NIXL connector exists, with one clear message, and
+``kvcached-pd doctor`` predicts it: for the same environment it exits 1 exactly when
+startup refuses.
 
 Each case is a fresh interpreter activated through vLLM's own plugin loader; the
 connector is requested through vLLM's real ``KVConnectorFactory.create_connector``,
@@ -35,6 +37,11 @@ def create(**env) -> str | None:
     return subproc.run_json(CREATE, env=subproc.clean_env(**env))["error"]
 
 
+def doctor(**env):
+    return subproc.run("from kvcached_pd.cli import main; raise SystemExit(main(['doctor']))",
+                       env=subproc.clean_env(**env))
+
+
 def kvcached_on_path() -> dict[str, str]:
     from tests.support.kvcached_cpu import available, kvcached_src
 
@@ -54,12 +61,68 @@ CONTIGUOUS_DIRECT = "set KVCACHED_CONTIGUOUS_LAYOUT=false or use the staged tran
     (dict(GOOD, KVCACHED_PD_DISABLE="nixl_layot"), "unknown patch(es) ['nixl_layot']"),
     (dict(GOOD, KVCACHED_PD_TRANSPORT="carrier-pigeon"), "is not one of"),
     (dict(GOOD, KVCACHED_PD_DISABLE="nixl_registration"), "nothing handles the layout"),
+    (dict(GOOD, KVCACHED_PD="maybe"), "KVCACHED_PD='maybe' is not a recognised value"),
+    (dict(GOOD, KVCACHED_CONTIGUOUS_LAYOUT="true", KVCACHED_PD_DISABLE="connector_guard"),
+     "names connector_guard, which cannot waive these"),
 ])
 def test_bad_configuration_stops_nixl_startup(env, message):
     error = create(**env, **kvcached_on_path())
     assert error is not None and error.startswith("UnsupportedConfiguration")
     assert message.lower() in error.lower()
     assert "kvcached-pd doctor" in error
+    report = doctor(**env, **kvcached_on_path())
+    assert report.returncode == 1 and f"BLOCKING: " in report.stdout
+    assert message in report.stdout
+
+
+def test_explicit_staged_transport_serves_or_stops_startup():
+    """The staged transport's hooks exist for vLLM 0.24-0.28; asked for by name on
+    another release, startup stops rather than serve vLLM's per-block path silently."""
+    env = dict(GOOD, KVCACHED_PD_TRANSPORT="staged", **kvcached_on_path())
+    serves = (0, 24) <= vllm_release()[:2] < (0, 29)
+    error, report = create(**env), doctor(**env)
+    if serves:
+        assert error is None and report.returncode == 0
+        assert "transport that will serve: staged" in report.stdout
+    else:
+        assert error is not None and "KVCACHED_PD_TRANSPORT=staged was asked for" in error
+        assert report.returncode == 1 and "cannot serve" in report.stdout
+
+
+def test_hybrid_model_is_refused_when_the_connector_is_created():
+    """Known from vLLM's KV-cache config, so refused before the KV cache exists."""
+    code = CREATE.replace(
+        "kv_cache_config = vw.kv_cache_config(",
+        "import torch\n"
+        "from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec\n"
+        "kv_cache_config = vw.kv_cache_config(",
+    ).replace(
+        "try:\n",
+        "kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(['model.layers.1.mixer'],"
+        " MambaSpec(block_size=16, shapes=((4,),), dtypes=(torch.float16,))))\ntry:\n",
+        1,
+    )
+    env = subproc.clean_env(**GOOD, **kvcached_on_path())
+    error = subproc.run_json(code, env=env)["error"]
+    assert error is not None and error.startswith("UnsupportedConfiguration")
+    assert "cannot describe hybrid/mamba KV caches" in error
+
+
+def test_staging_larger_than_the_device_stops_the_worker_connector():
+    """In a worker the staging size is checked against the device's free memory when
+    the connector is created, before the KV cache is allocated. The CPU has no device:
+    torch.cuda reports one with 512 MiB free."""
+    code = CREATE.replace("KVConnectorRole.SCHEDULER", "KVConnectorRole.WORKER").replace(
+        "load_general_plugins()",
+        "load_general_plugins()\n"
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "torch.cuda.mem_get_info = lambda *a: (512 << 20, 80 << 30)",
+    )
+    env = subproc.clean_env(**GOOD, KVCACHED_PD_STAGING_MB="99999999", **kvcached_on_path())
+    error = subproc.run_json(code, env=env)["error"]
+    assert error is not None and error.startswith("UnsupportedConfiguration")
+    assert "KVCACHED_PD_STAGING_MB=99999999 MiB of staging does not fit: 512 MiB free" in error
 
 
 @pytest.mark.parametrize("layout", ["true", None])
@@ -89,6 +152,9 @@ def test_kvcached_not_importable_stops_nixl_startup():
 
 def test_good_configuration_builds_the_connector():
     assert create(**GOOD, **kvcached_on_path()) is None
+    report = doctor(**GOOD, **kvcached_on_path())
+    assert report.returncode == 0 and "problems: none" in report.stdout
+    assert "kvcached-pd: ON" in report.stdout
 
 
 def test_unsupported_vllm_version_stops_nixl_startup():
@@ -105,4 +171,12 @@ def test_unsupported_vllm_version_stops_nixl_startup():
 
 
 def test_without_kvcached_nothing_is_checked():
-    assert create(ENABLE_KVCACHED="false", KVCACHED_CONTIGUOUS_LAYOUT="true") is None
+    """Gate closed: nothing is patched, so a bad kvcached-pd value changes nothing and
+    the doctor says so without an alarm."""
+    env = dict(ENABLE_KVCACHED="false", KVCACHED_CONTIGUOUS_LAYOUT="true",
+               KVCACHED_PD_TRANSPORT="carrier-pigeon")
+    assert create(**env) is None
+    report = doctor(**env)
+    assert report.returncode == 0, report.stdout
+    assert "kvcached-pd: OFF" in report.stdout and "nothing is patched" in report.stdout
+    assert "ignored while kvcached-pd is off" in report.stdout and "BLOCKING" not in report.stdout

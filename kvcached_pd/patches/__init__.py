@@ -3,7 +3,7 @@
 Each entry is one module with ``patch()``, ``unpatch()``, ``is_patched()`` and its
 vLLM range; activation only walks this table. Order matters where two hooks fire on
 the same import: kvcached's own NIXL patch is neutralised before kvcached-pd's NIXL
-hooks go in.
+hooks go in. Test-only patches live in ``kvcached_pd.testing``, not here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from kvcached_pd.patches.kvcached_coexistence import KvcachedCoexistencePatch
 from kvcached_pd.patches.nixl_layout import NixlLayoutPatch
 from kvcached_pd.patches.nixl_registration import NixlRegistrationPatch
 from kvcached_pd.patches.push_prefix_alignment import PushPrefixAlignmentPatch
-from kvcached_pd.patches.corrupt_received_kv import CorruptReceivedKVPatch
 from kvcached_pd.patches.staged_transport import StagedTransportPatch
 
 PATCHES: tuple[Patch, ...] = (
@@ -27,7 +26,6 @@ PATCHES: tuple[Patch, ...] = (
     NixlRegistrationPatch(),
     PushPrefixAlignmentPatch(),  # before the staged hooks, which wrap the same method
     StagedTransportPatch(),
-    CorruptReceivedKVPatch(),
 )
 
 PATCH_NAMES = frozenset(p.name for p in PATCHES)

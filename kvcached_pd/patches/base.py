@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcached_pd import config
 from kvcached_pd.versions import VersionRange, installed_version
 
 logger = logging.getLogger("kvcached_pd")
@@ -43,6 +44,13 @@ class Patch:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._replacements: list[_Replacement] = []
+        self._settings: "config.Settings | None" = None
+
+    @property
+    def settings(self) -> "config.Settings":
+        """The settings this patch was applied with (activation hands over the process's
+        one parsed object); the process's own when patched without any."""
+        return self._settings if self._settings is not None else config.settings()
 
     # -- public API -------------------------------------------------------------
     def applies(self, vllm_version: str | None = None) -> tuple[bool, str]:
@@ -56,9 +64,11 @@ class Patch:
             return True, f"vLLM {version} is in {self.vllm_range}"
         return False, f"vLLM {version} is outside {self.vllm_range}"
 
-    def patch(self) -> bool:
-        """Apply; idempotent. Returns True if this call changed anything."""
+    def patch(self, settings: "config.Settings | None" = None) -> bool:
+        """Apply with ``settings``; idempotent. Returns True if this call changed anything."""
         with self._lock:
+            if settings is not None:
+                self._settings = settings
             if self._replacements:
                 logger.debug("kvcached-pd: %s already patched", self.name)
                 return False

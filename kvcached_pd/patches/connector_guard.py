@@ -2,67 +2,89 @@
 
 Hooked on ``KVConnectorFactory.create_connector`` (the same classmethod from vLLM 0.20
 to 0.33), which every process calls before a connector exists: the scheduler and
-each worker. With kvcached enabled and a NIXL connector requested it raises
-:class:`~kvcached_pd.errors.UnsupportedConfiguration` for every blocking problem
-:func:`kvcached_pd.checks.blocking_problems` finds (unsupported vLLM, kvcached's
-contiguous layout, kvcached missing, a bad kvcached-pd setting, a patch that failed to
-apply). vLLM's plugin loader swallows exceptions, so this is where activation
-problems become a startup failure.
+each worker. For a NIXL connector it raises
+:class:`~kvcached_pd.errors.UnsupportedConfiguration` for every problem
+:func:`kvcached_pd.checks.startup_problems` finds (unsupported vLLM, kvcached's
+contiguous layout, kvcached missing, a bad kvcached-pd setting, a staged transport
+asked for that cannot serve, a patch that failed to apply, a hybrid/mamba model under kvcached: every check that needs no KV tensor) and,
+in a worker, for a staging region larger than the device's free memory. vLLM's plugin loader swallows
+exceptions, so this is where activation problems become a startup failure.
 
-Not tied to vLLM's version: it is what refuses versions outside the supported range.
+``kvcached-pd doctor`` runs the same ``startup_problems`` on the same settings, so it
+exits 1 exactly when this refuses (the device check aside: the doctor has no worker).
+
+Armed whenever the gate is open, even when ``KVCACHED_PD_DISABLE`` names it: with a
+blocking problem present, disabling the guard would serve wrong text, so the refusal
+says the guard cannot waive it. Not tied to vLLM's version: it is what refuses
+versions outside the supported range.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 
-from kvcached_pd import vllm_nixl
-from kvcached_pd.config import kvcached_enabled
+from kvcached_pd import checks, vllm_nixl
 from kvcached_pd.errors import UnsupportedConfiguration
 from kvcached_pd.patches.base import Patch
 
 ATTR = "create_connector"
 
 
-def _make_guard(original: classmethod) -> classmethod:
-    original_func = original.__func__
-
-    @functools.wraps(original_func)
-    def create_connector(cls, config, *args, **kwargs):
-        kv_transfer_config = getattr(config, "kv_transfer_config", None)
-        if kvcached_enabled() and kv_transfer_config is not None:
-            connector_cls = cls.get_connector_class(kv_transfer_config) if hasattr(
-                cls, "get_connector_class"
-            ) else None
-            name = getattr(kv_transfer_config, "kv_connector", "") or ""
-            is_nixl = (
-                vllm_nixl.is_nixl_connector(connector_cls)
-                if connector_cls is not None
-                else "nixl" in name.lower()
-            )
-            if is_nixl:
-                from kvcached_pd.checks import blocking_problems
-
-                problems = blocking_problems(nixl=True)
-                if problems:
-                    raise UnsupportedConfiguration(
-                        "kvcached-pd refuses to start NIXL with kvcached:\n  - "
-                        + "\n  - ".join(problems)
-                        + "\nRun `kvcached-pd doctor` for the full picture."
-                    )
-        return original_func(cls, config, *args, **kwargs)
-
-    return classmethod(create_connector)
+def _is_worker(role) -> bool:
+    return getattr(role, "name", str(role)).upper().endswith("WORKER")
 
 
 class ConnectorGuardPatch(Patch):
-    name = "connector_guard"
-    summary = "refuse to build a NIXL connector with kvcached in a configuration that would move KV wrongly"
+    name = checks.GUARD
+    summary = "refuse to build a NIXL connector in a configuration that would move KV wrongly"
     target_module = vllm_nixl.FACTORY_MODULE
     vllm_range = None
     fail_closed = True
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Handed over by activation: the patches that failed to apply in this process.
+        self.activation_failures: Callable[[], dict[str, str]] = dict
+
+    def problems(self, role=None, kv_cache_config=None) -> list[str]:
+        settings = self.settings
+        problems = checks.startup_problems(settings, nixl=True, failed=self.activation_failures())
+        problems += checks.kv_cache_config_problems(settings, kv_cache_config)
+        if _is_worker(role):
+            problems += checks.staging_memory_problems(settings, checks.device_free_bytes())
+        return problems
+
+    def _make_guard(self, original: classmethod) -> classmethod:
+        original_func = original.__func__
+        guard = self
+
+        @functools.wraps(original_func)
+        def create_connector(cls, config, role, *args, **kwargs):
+            kv_transfer_config = getattr(config, "kv_transfer_config", None)
+            if kv_transfer_config is not None:
+                connector_cls = cls.get_connector_class(kv_transfer_config) if hasattr(
+                    cls, "get_connector_class"
+                ) else None
+                name = getattr(kv_transfer_config, "kv_connector", "") or ""
+                is_nixl = (
+                    vllm_nixl.is_nixl_connector(connector_cls)
+                    if connector_cls is not None
+                    else "nixl" in name.lower()
+                )
+                kv_cache_config = args[0] if args else kwargs.get("kv_cache_config")
+                problems = guard.problems(role, kv_cache_config) if is_nixl else []
+                if problems:
+                    raise UnsupportedConfiguration(
+                        "kvcached-pd refuses to start NIXL:\n  - "
+                        + "\n  - ".join(problems)
+                        + "\nRun `kvcached-pd doctor` for the full picture."
+                    )
+            return original_func(cls, config, role, *args, **kwargs)
+
+        return classmethod(create_connector)
+
     def _apply(self) -> None:
         module = importlib.import_module(vllm_nixl.FACTORY_MODULE)
-        self._wrap_classmethod(module.KVConnectorFactory, ATTR, _make_guard)
+        self._wrap_classmethod(module.KVConnectorFactory, ATTR, self._make_guard)

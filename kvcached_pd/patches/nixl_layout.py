@@ -18,10 +18,10 @@ Fail-closed: if the classes cannot be found the import hook raises.
 from __future__ import annotations
 
 import logging
-import os
 
-from kvcached_pd.config import kvcached_enabled
+from kvcached_pd import config
 from kvcached_pd.errors import UnsupportedConfiguration
+from kvcached_pd.checks import HEAD_MAJOR_LAYOUTS, layout_problems  # noqa: F401 (re-export)
 from kvcached_pd.patches.base import Patch
 from kvcached_pd.versions import SUPPORTED_VLLM
 from kvcached_pd import vllm_nixl
@@ -29,17 +29,14 @@ from kvcached_pd import vllm_nixl
 logger = logging.getLogger("kvcached_pd")
 
 ATTR = "get_required_kvcache_layout"
-HEAD_MAJOR_LAYOUTS = ("HND", "LBHNC")
 
 
 def check_layout_env() -> None:
-    requested = os.environ.get("VLLM_KV_CACHE_LAYOUT", "").strip().upper()
-    if requested in HEAD_MAJOR_LAYOUTS:
-        raise UnsupportedConfiguration(
-            f"VLLM_KV_CACHE_LAYOUT={requested} forces a head-major KV layout, which "
-            "kvcached cannot provide (its tensors are from_blob views, NHD only). "
-            "Unset VLLM_KV_CACHE_LAYOUT (or set NHD) when ENABLE_KVCACHED=true."
-        )
+    """The same check the connector guard runs (one definition, in ``checks``), raised
+    here too because vLLM resolves the layout before any connector exists."""
+    problems = layout_problems()
+    if problems:
+        raise UnsupportedConfiguration(problems[0])
 
 
 def _make_layout_hook(original: classmethod) -> classmethod:
@@ -47,7 +44,7 @@ def _make_layout_hook(original: classmethod) -> classmethod:
 
     def get_required_kvcache_layout(cls, vllm_config):
         wanted = original_func(cls, vllm_config)
-        if not kvcached_enabled() or wanted is None:
+        if not config.settings().kvcached_enabled or wanted is None:
             return wanted
         check_layout_env()
         logger.info(

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from kvcached_pd import config, nixl_kv_guard, vllm_nixl
-from kvcached_pd.config import kvcached_enabled
 from kvcached_pd.errors import LayoutMismatch, UnsupportedConfiguration
 from kvcached_pd.kv_spans import Span, clip_to, merge_spans, overlaps, physical_spans, within
 from kvcached_pd.patches.base import Patch
@@ -310,7 +309,7 @@ def _make_add_remote_agent_hook(original):
 def _make_register_hook(original):
     @functools.wraps(original)
     def register_kv_caches(self, kv_caches, *args, **kwargs):
-        if not kvcached_enabled():
+        if not config.settings().kvcached_enabled:
             return original(self, kv_caches, *args, **kwargs)
         plan = plan_registration(self, kv_caches)
         if plan.interleaved:

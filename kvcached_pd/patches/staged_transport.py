@@ -32,7 +32,8 @@ STATE = "_kvcached_pd_staging"
 
 
 def _settings():
-    return config.read_settings(frozenset())
+    """The process's settings, parsed once (kvcached_pd.config.settings)."""
+    return config.settings()
 
 
 def _enabled() -> bool:

@@ -33,9 +33,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvcached_pd.config import KVCACHED_PD_STAGING_MB
+from kvcached_pd.config import KVCACHED_PD_STAGING_MB, STAGING_ALIGNMENT
 
-ALIGNMENT = 4096
+ALIGNMENT = STAGING_ALIGNMENT
 FLOOR_BYTES = 2 << 30
 
 

@@ -13,8 +13,11 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def clean_env(**overrides: str) -> dict[str, str]:
+    from kvcached_pd.config import VARIABLE_NAMES  # every variable kvcached-pd reads
+
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KVCACHED", "ENABLE_KVCACHED", "VLLM_KV_CACHE_LAYOUT"))}
+           if k not in VARIABLE_NAMES and not k.startswith(("KVCACHED", "ENABLE_KVCACHED"))
+           or k == "KVCACHED_SRC"}  # where the tests' kvcached source is: not a setting
     env.pop("PYTHONPATH", None)
     env["HF_HUB_OFFLINE"] = "1"
     env.update(overrides)

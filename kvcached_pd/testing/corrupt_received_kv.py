@@ -6,7 +6,8 @@ negated in place. The equivalence harness runs a mode with this switch and must
 report a difference; if it does not, the harness cannot tell a broken transfer from
 a good one and its other verdicts mean nothing.
 
-Never enabled by default; the patch is not even armed unless the switch is set.
+Never enabled by default; it lives outside the product's patch table and activation
+arms it only when the switch is set (``kvcached_pd.testing.armed``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import functools
 import logging
 from typing import Any
 
-from kvcached_pd import config, vllm_nixl
+from kvcached_pd import vllm_nixl
 from kvcached_pd.patches.base import Patch
 from kvcached_pd.versions import SUPPORTED_VLLM
 
@@ -70,11 +71,6 @@ class CorruptReceivedKVPatch(Patch):
     target_module = vllm_nixl.NIXL_PACKAGE
     vllm_range = SUPPORTED_VLLM
     fail_closed = True
-
-    def applies(self, vllm_version: str | None = None) -> tuple[bool, str]:
-        if not config.read_settings(frozenset()).test_corrupt:
-            return False, f"only with {config.KVCACHED_PD_TEST_CORRUPT}=1"
-        return super().applies(vllm_version)
 
     def _apply(self) -> None:
         package = vllm_nixl.nixl_package()

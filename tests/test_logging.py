@@ -1,0 +1,52 @@
+"""kvcached-pd's INFO lines appear under vLLM's default logging, as vLLM's own do.
+
+A plain ``vllm serve`` configures only vLLM's ``vllm`` logger; without routing, the
+start-up line, the "applied" lines and the trace lines (all INFO) were dropped. Each
+case is a fresh interpreter with vLLM's default logging configuration (no logging
+config of the operator's), activated the two documented ways.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support import kvcached_cpu, subproc
+
+ON = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_CONTIGUOUS_LAYOUT="false")
+
+IMPORT_NIXL = "import vllm.distributed.kv_transfer.kv_connector.v1.nixl\n"
+
+
+def vllm_default_logging(**env) -> dict[str, str]:
+    env = subproc.clean_env(**env)
+    for name in ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL"):
+        env.pop(name, None)
+    return env
+
+
+def info_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("INFO") and "kvcached-pd:" in line]
+
+
+@pytest.mark.skipif(not kvcached_cpu.available(), reason="kvcached source not fetched")
+def test_plugin_entry_point_logs_through_vllms_handler():
+    code = "from vllm.plugins import load_general_plugins\nload_general_plugins()\n" + IMPORT_NIXL
+    proc = subproc.run(code, env=vllm_default_logging(PYTHONPATH=kvcached_cpu.kvcached_src(), **ON))
+    assert proc.returncode == 0, proc.stderr
+    lines = info_lines(proc.stdout)  # vLLM's handler writes to stdout in vLLM's format
+    assert any("kvcached-pd: active (vLLM" in line and "transport" in line for line in lines), proc.stdout
+    assert any("kvcached-pd: applied nixl_layout" in line for line in lines), proc.stdout
+
+
+@pytest.mark.skipif(not kvcached_cpu.available(), reason="kvcached source not fetched")
+def test_checkout_sitecustomize_logs_once_vllm_configured_logging(tmp_path):
+    """Activated before vLLM is imported: the start-up line waits for vLLM's logging."""
+    env = vllm_default_logging(
+        PYTHONPATH=os.pathsep.join([subproc.REPO, kvcached_cpu.kvcached_src()]), **ON)
+    proc = subproc.run(IMPORT_NIXL, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    lines = info_lines(proc.stdout)
+    assert sum("kvcached-pd: active (vLLM" in line for line in lines) == 1, proc.stdout
+    assert any("kvcached-pd: applied nixl_registration" in line for line in lines), proc.stdout
