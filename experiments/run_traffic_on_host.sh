@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The real-traffic measurements of one host session, in three calls of < 10 minutes each
+# (the host takes commands of at most 10 minutes and hands back at most 8 files).
+#
+# usage: bash experiments/run_traffic_on_host.sh OUT PART
+#   PART a: install (if not yet), then on the tiny model (32 KiB KV/token): the load run
+#           without aborts (3 repeats) and the issue's abort run (every 9th client drops
+#           its P leg after 50 ms and its D leg after 10 ms; 5 repeats); vanilla PD,
+#           kvcached-pd staged pull and staged push side by side, kvcached's defaults.
+#   PART b: kvbig (256 KiB KV/token): 48 requests 8 at a time (3 repeats) plus the TTFT
+#           batch of 8 x 3000-token prompts; then tiny with D killed mid-run.
+#   PART c: equivalence (reference, vanilla, staged split and contiguous, push split and
+#           contiguous, mixed-d, P16/D32, the negative control) and the single-request
+#           benchmark at 94 MiB (vanilla, staged split, staged contiguous).
+# Each part leaves in OUT: PART-RUN.tar.gz per run (its tree, logs included), each run's
+# summary as RUN-summary.txt, commit.txt (<= 8 files, as the host hands back).
+set -uo pipefail
+OUT=${1:?usage: run_traffic_on_host.sh OUT a|b|c}
+PART=${2:?usage: run_traffic_on_host.sh OUT a|b|c}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+W=/tmp/kvpd-traffic-$PART-$(date +%H%M%S)
+mkdir -p "$W"
+T0=$(date +%s)
+left() { echo $(( ${1} - ($(date +%s) - T0) )); }
+
+if ! python3 -c "import vllm, kvcached.integration.vllm.interfaces, kvcached_pd" 2>/dev/null; then
+  bash "$HERE/gpu_host/install_on_host.sh" > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+  tail -3 "$OUT/install.log"
+fi
+git -C "$HERE/.." log -1 --format='commit %H %s' 2>/dev/null | tee "$OUT/commit.txt"
+
+case "$PART" in
+a)
+  TRAFFIC_BUDGET_S=$(( $(left 560) / 2 - 10 )) bash "$HERE/traffic.sh" "$W/load" \
+    --model /tmp/tiny --repeats 3
+  echo "rc load=$?"
+  TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/aborts" \
+    --model /tmp/tiny --issue-aborts --repeats 5
+  echo "rc aborts=$?"
+  ;;
+b)
+  TRAFFIC_BUDGET_S=$(( $(left 560) * 3 / 5 )) bash "$HERE/traffic.sh" "$W/kvbig" \
+    --model /tmp/kvbig --repeats 3 --ttft-batch 8 --ttft-prompt-tokens 3000 --trace
+  echo "rc kvbig=$?"
+  TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/kill" \
+    --model /tmp/tiny --modes kvpd-staged --kill decode --kill-at-s 2
+  echo "rc kill=$?"
+  ;;
+c)
+  timeout $(( $(left 560) - 170 )) bash "$HERE/equivalence.sh" "$W/eq" reference vanilla \
+    kvcached-pd-staged staged-contiguous push push-contiguous mixed-d blocksize negative \
+    --model /tmp/tiny --parallel 5 --deadline-s $(( $(left 560) - 190 ))
+  echo "rc equivalence=$?"
+  python3 "$HERE/bench_transfer.py" --out "$W/bench" --model /tmp/tiny --max-model-len 4096 \
+    --sizes 94 --ttft-batch 0 --modes vanilla,kvcached-pd-staged,staged-contiguous \
+    --deadline-s $(( $(left 560) - 15 ))
+  echo "rc bench=$?"
+  ;;
+*) echo "unknown part $PART" >&2; exit 2 ;;
+esac
+for f in "$W"/*/load-summary.txt "$W"/eq/summary.txt "$W"/bench/summary.txt; do
+  [ -f "$f" ] && cp "$f" "$OUT/$(basename "$(dirname "$f")")-summary.txt"
+done
+for d in "$W"/*/; do  # one archive per run: each stays under the 16 MiB hand-back limit
+  tar czf "$OUT/$PART-$(basename "$d").tar.gz" -C "$W" "$(basename "$d")"
+done
+ls -la "$OUT"
+echo "part $PART done in $(( $(date +%s) - T0 ))s"
