@@ -9,9 +9,9 @@
 #           kvcached-pd staged pull and staged push side by side, kvcached's defaults.
 #   PART b: kvbig (256 KiB KV/token): 48 requests 8 at a time (3 repeats) plus the TTFT
 #           batch of 8 x 3000-token prompts; then tiny with D killed mid-run.
-#   PART c: equivalence (reference, vanilla, staged split and contiguous, push split and
-#           contiguous, mixed-d, P16/D32, the negative control) and the single-request
-#           benchmark at 94 MiB (vanilla, staged split, staged contiguous).
+#   PART c: equivalence (reference, staged split and contiguous, push contiguous, the
+#           negative control) and the single-request benchmark at 94 MiB (vanilla, staged
+#           split, staged contiguous).
 # Each part leaves in OUT: PART-RUN.tar.gz per run (its tree, logs included), each run's
 # summary as RUN-summary.txt, commit.txt (<= 8 files, as the host hands back).
 set -uo pipefail
@@ -49,8 +49,8 @@ b)
   echo "rc kill=$?"
   ;;
 c)
-  timeout $(( $(left 560) - 170 )) bash "$HERE/equivalence.sh" "$W/eq" reference vanilla \
-    kvcached-pd-staged staged-contiguous push push-contiguous mixed-d blocksize negative \
+  timeout $(( $(left 560) - 170 )) bash "$HERE/equivalence.sh" "$W/eq" reference \
+    kvcached-pd-staged staged-contiguous push-contiguous negative \
     --model /tmp/tiny --parallel 5 --deadline-s $(( $(left 560) - 190 ))
   echo "rc equivalence=$?"
   python3 "$HERE/bench_transfer.py" --out "$W/bench" --model /tmp/tiny --max-model-len 4096 \
