@@ -51,7 +51,7 @@ def kvcached_on_path() -> dict[str, str]:
 
 
 DIRECT = dict(GOOD, KVCACHED_PD_TRANSPORT="direct")
-CONTIGUOUS_DIRECT = "set KVCACHED_CONTIGUOUS_LAYOUT=false or use the staged transport"
+CONTIGUOUS_DIRECT = "KVCACHED_CONTIGUOUS_LAYOUT=false or use the staged transport"
 
 
 @pytest.mark.parametrize("env,message", [
@@ -62,7 +62,7 @@ CONTIGUOUS_DIRECT = "set KVCACHED_CONTIGUOUS_LAYOUT=false or use the staged tran
     (dict(GOOD, KVCACHED_PD_TRANSPORT="carrier-pigeon"), "is not one of"),
     (dict(GOOD, KVCACHED_PD_DISABLE="nixl_registration"), "nothing handles the layout"),
     (dict(GOOD, KVCACHED_PD="maybe"), "KVCACHED_PD='maybe' is not a recognised value"),
-    (dict(GOOD, KVCACHED_CONTIGUOUS_LAYOUT="true", KVCACHED_PD_DISABLE="connector_guard"),
+    (dict(GOOD, VLLM_KV_CACHE_LAYOUT="HND", KVCACHED_PD_DISABLE="connector_guard"),
      "names connector_guard, which cannot waive these"),
 ])
 def test_bad_configuration_stops_nixl_startup(env, message):
