@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import signal
 import sys
 import time
@@ -39,7 +38,7 @@ from pd_client import compare_outputs, run_suite
 from pd_common import M, Deadline, MetricSnapshot, log, metric_delta, scrape_metrics, write_json
 from pd_modes import MODES, Mode, kv_transfer_config, resolve_modes
 from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,
-                        PortAllocator, ServeSettings, default_vllm_cmd, describe_environment,
+                        PortAllocator, describe_environment, serve_settings_from_args,
                         instance_env,
                         indent, kvcached_pd_evidence, neutral_env, serve_args, stop_all,
                         wait_until_ready,
@@ -78,16 +77,8 @@ class Harness:
         self.side_ports = PortAllocator(args.side_channel_port_base)
         self.proxy_ports = PortAllocator(args.proxy_port_base)
         self.deadline = Deadline(args.deadline_s)
-        kv_bytes = int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib > 0 else None
-        gmu = args.gpu_memory_utilization
-        if gmu is None:
-            gmu = 0.04 if kv_bytes else 0.12
-        self.settings = ServeSettings(
-            model=args.model, max_model_len=args.max_model_len, gpu_memory_utilization=gmu,
-            kv_cache_bytes=kv_bytes,
-            vllm_cmd=shlex.split(args.vllm_cmd) if args.vllm_cmd else default_vllm_cmd(),
-            extra_args=shlex.split(args.extra_serve_args or ""),
-            kv_role_style="both" if args.kv_both else "split",
+        self.settings = serve_settings_from_args(
+            args, kv_role_style="both" if args.kv_both else "split",
             logging_config_path=None if args.no_logging_config else
             write_vllm_logging_config(os.path.join(self.out, "vllm_logging.json")))
 

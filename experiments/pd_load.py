@@ -62,7 +62,6 @@ import csv
 import json
 import os
 import re
-import shlex
 import signal
 import sys
 import threading
@@ -80,7 +79,7 @@ from pd_modes import (KVCACHED_LAYOUTS, LOAD_DEFAULT_MODES, LOAD_FLAVOURS, Mode,
                       kv_transfer_config, load_modes)
 from pd_proxy import PREFILL_KV_PARAMS
 from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,
-                        PortAllocator, ServeSettings, default_vllm_cmd, describe_environment,
+                        PortAllocator, describe_environment, serve_settings_from_args,
                         indent, instance_env, kvcached_pd_evidence, neutral_env, serve_args,
                         stop_all, wait_until_ready, write_vllm_logging_config)
 
@@ -137,16 +136,8 @@ class LoadHarness:
         self.http_ports = PortAllocator(a.port_base)
         self.side_ports = PortAllocator(a.side_channel_port_base)
         self.proxy_ports = PortAllocator(a.proxy_port_base)
-        kv_bytes = int(a.kv_cache_gib * (1 << 30)) if a.kv_cache_gib > 0 else None
-        gmu = a.gpu_memory_utilization
-        if gmu is None:
-            gmu = 0.04 if kv_bytes else 0.12
-        self.settings = ServeSettings(
-            model=a.model, max_model_len=a.max_model_len, gpu_memory_utilization=gmu,
-            kv_cache_bytes=kv_bytes,
-            vllm_cmd=shlex.split(a.vllm_cmd) if a.vllm_cmd else default_vllm_cmd(),
-            extra_args=shlex.split(a.extra_serve_args or ""),
-            logging_config_path=write_vllm_logging_config(
+        self.settings = serve_settings_from_args(
+            a, logging_config_path=write_vllm_logging_config(
                 os.path.join(self.out, "vllm_logging.json")))
         self.prompts = load_prompts(a.requests, a.min_prompt_tokens, a.max_prompt_tokens)
         self.ttft_prompts = [Prompt(f"ttft-{i}-{a.ttft_prompt_tokens}", a.ttft_prompt_tokens,

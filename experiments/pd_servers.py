@@ -101,6 +101,25 @@ class ServeSettings:
     kv_role_style: str = "split"  # split: kv_producer/kv_consumer; both: kv_both
 
 
+def serve_settings_from_args(args, **overrides) -> ServeSettings:
+    """The harnesses' common serve options (``--kv-cache-gib``, ``--gpu-memory-utilization``,
+    ``--vllm-cmd``, ``--extra-serve-args``, ...) as ServeSettings.
+
+    An explicit KV budget makes vLLM's start-up free-memory check the only reader of
+    ``--gpu-memory-utilization``, so it defaults low then (0.04) and to 0.12 otherwise."""
+    import shlex
+
+    kv_bytes = int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib > 0 else None
+    gmu = args.gpu_memory_utilization
+    if gmu is None:
+        gmu = 0.04 if kv_bytes else 0.12
+    return ServeSettings(
+        model=args.model, max_model_len=args.max_model_len, gpu_memory_utilization=gmu,
+        kv_cache_bytes=kv_bytes,
+        vllm_cmd=shlex.split(args.vllm_cmd) if args.vllm_cmd else default_vllm_cmd(),
+        extra_args=shlex.split(args.extra_serve_args or ""), **overrides)
+
+
 def default_vllm_cmd() -> list[str]:
     """`vllm serve` run by this very interpreter, so the harness and the servers see the
     same site-packages."""
