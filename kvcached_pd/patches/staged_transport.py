@@ -260,7 +260,9 @@ def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, sel
     self._registered_descs.append(descs)
     result = original(self, kv_caches)
     state = WorkerStaging(fmt=fmt, buffer=buffer, read_spin_s=settings.read_spin_us / 1e6,
-                          push=push, hold_s=2.0 * _kv_lease_seconds(self))
+                          push=push, hold_s=2.0 * _kv_lease_seconds(self),
+                          sync_pack=getattr(self.vllm_config, "speculative_config", None)
+                          is not None)
     state.layers, state.kernel_block_size = build_layer_views(self, self.device_kv_caches)
     kernels = select_kernel(state.layers, fmt, settings.pack_kernel)
     state.ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1) or 1)

@@ -260,6 +260,9 @@ class WorkerStaging:
     ratio: int = 1
     read_spin_s: float = 0.0  # D: longest wait for an imminent READ within one step
     push: bool = False  # a push-mode worker (P WRITEs into D's staging)
+    # P waits for its pack when vLLM may sample before wait_for_save runs (speculative
+    # decoding defers it past the draft model, see pack_for_requests)
+    sync_pack: bool = False
     hold_s: float = 60.0  # push D: how long a failed request's extent stays unused
     remote: dict[str, dict[str, Any]] = field(default_factory=dict)  # engine_id -> staged
     recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -367,6 +370,9 @@ def pack_for_requests(worker: Any, st: WorkerStaging, packs: dict[str, dict[str,
     (earlier releases did, which stalled the engine loop under async scheduling for the
     whole forward); a push-mode WRITE, which P's writer thread may start on D's
     registration alone, first waits for the pack's event (:func:`packed_extent`).
+    With speculative decoding vLLM 0.26 calls ``wait_for_save`` only after the draft
+    model, i.e. after sampling (``defer_kv_connector_finalize``): the response could
+    then leave before the pack has run, so P waits for it (``st.sync_pack``).
     """
     if not packs or st.layers is None:
         return
@@ -390,6 +396,8 @@ def pack_for_requests(worker: Any, st: WorkerStaging, packs: dict[str, dict[str,
         st.stats["pack_bytes"] += order["nbytes"]
     if end is not None:
         end.record(stream)
+        if st.sync_pack:
+            end.synchronize()
     for req_id, order in packs.items():
         if st.push:  # the writer thread WRITEs it once D's registration offers staging
             st.packed[req_id] = {"offset": int(order["offset"]), "nbytes": int(order["nbytes"]),
