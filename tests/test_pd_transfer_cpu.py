@@ -523,3 +523,20 @@ def test_a_peer_without_kvcached_pd_cannot_even_handshake_with_a_contiguous_layo
         staged_env.setenv("ENABLE_KVCACHED", "true")
         for name in PATCHES:
             get_patch(name).patch()
+
+
+def test_explicit_staging_too_small_for_one_request_stops_registration(staged_env):
+    """KVCACHED_PD_STAGING_MB below one max_model_len request (this model: 2048 tokens x
+    1.5 KiB = 3 MiB) would make such a request wait for room forever: vLLM's real worker
+    refuses to register its KV caches, i.e. startup stops."""
+    from kvcached_pd import config
+    from kvcached_pd.transport.sizing import StagingSizeError
+
+    staged_env.setenv("KVCACHED_PD_STAGING_MB", "1")
+    config.reset_settings_for_tests()
+    try:
+        with pytest.raises(StagingSizeError, match="cannot hold the KV of one max_model_len"):
+            make_side(16, seed=71)
+    finally:
+        staged_env.setenv("KVCACHED_PD_STAGING_MB", "4")
+        config.reset_settings_for_tests()

@@ -18,9 +18,9 @@ instance can have in flight:
 - two maximum-length requests: one is read by D while the next is packed;
 - two engine steps of prefill: a step prefills at most ``max_num_batched_tokens``
   tokens, and D reads a step's worth (2 GiB at ~150 GB/s: ~14 ms) while the next runs;
-- 2 GiB floor: on the 2 x H200 host, 16 concurrent mixed-length requests of the 32 KiB
-  per token test model held up to ~1 GiB of extents at once (the 1 GiB default of
-  earlier releases left 9 of 64 requests without room).
+- 2 GiB floor: on the 2 x H200 host, with 16 concurrent mixed-length requests of the
+  32 KiB per token test model, the 1 GiB default of earlier releases left 9 of 64
+  requests without room; with this rule (2 GiB there) none waited.
 
 A full range is never a reason to take the direct path: P holds the request back
 (vLLM's scheduler skips it until room frees) and D waits to READ. An explicit size that

@@ -200,7 +200,7 @@ class SchedulerStaging:
             n_blocks = math.ceil(num_tokens / self.block_size)
             block_ids = tracked.block_ids[:n_blocks]
             n_tok_slots = n_blocks * self.block_size
-            nbytes = self.fmt.extent_bytes(n_tok_slots)
+            nbytes = self.extent_bytes(req)  # what admit() reserved for it
             extent = self.reserved.pop(req_id, None)
             if extent is None or extent.nbytes != nbytes:
                 if extent is not None:
