@@ -38,6 +38,7 @@ KVCACHED_PD_PACK_KERNEL = "KVCACHED_PD_PACK_KERNEL"  # auto | triton | torch
 KVCACHED_PD_TRACE = "KVCACHED_PD_TRACE"  # log one timestamped line per handoff event
 KVCACHED_PD_TEST_CORRUPT = "KVCACHED_PD_TEST_CORRUPT"  # test-only negative control
 KVCACHED_PD_STATE_DIR = "KVCACHED_PD_STATE_DIR"  # where processes publish registrations
+KVCACHED_PD_SIDE_CHANNEL_PORT = "KVCACHED_PD_SIDE_CHANNEL_PORT"  # P's staged handshake port
 VLLM_KV_CACHE_LAYOUT = "VLLM_KV_CACHE_LAYOUT"  # vLLM's own; head-major values are refused
 
 TRANSPORTS = ("staged", "direct")
@@ -208,6 +209,14 @@ def _parse_read_spin(raw: str | None, env: Mapping[str, str]) -> Parsed:
     return value, None
 
 
+def _parse_side_channel_port(raw: str | None, env: Mapping[str, str]) -> Parsed:
+    text = (raw or "0").strip()
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        return 0, (f"{KVCACHED_PD_SIDE_CHANNEL_PORT}={text!r} must be a TCP port number "
+                   "(1-65535), or 0 for any free port")
+    return int(text), None
+
+
 def _parse_pack_kernel(raw: str | None, env: Mapping[str, str]) -> Parsed:
     value = (raw or "auto").strip().lower()
     if value not in PACK_KERNELS:
@@ -285,6 +294,11 @@ VARIABLES: tuple[Variable, ...] = (
              "long, within one engine step, for a staged READ predicted to end inside it; `0` "
              f"leaves polling to vLLM; at most {MAX_READ_SPIN_US}",
              _parse_read_spin, "read_spin_us"),
+    Variable(KVCACHED_PD_SIDE_CHANNEL_PORT, "0 (any free port)", "prefill side: TCP port of the "
+             "staged transport's handshake listener (one per engine, on vLLM's "
+             "`VLLM_NIXL_SIDE_CHANNEL_HOST`); its port travels to D in each request's "
+             "params, so set it only where a firewall needs a fixed port",
+             _parse_side_channel_port, "side_channel_port"),
     Variable(KVCACHED_PD_TRACE, "off", "log one `kvcached-pd trace {json}` line per handoff "
              "event (both sides); `experiments/trace_timeline.py LOG_DIR` turns them into "
              "per-stage timelines", _parse_bool(KVCACHED_PD_TRACE), "trace"),
@@ -316,6 +330,7 @@ class Settings:
     transport: str = DEFAULT_TRANSPORT
     staging_mb: int | None = DEFAULT_STAGING_MB
     read_spin_us: int = DEFAULT_READ_SPIN_US
+    side_channel_port: int = 0
     pack_kernel: str = "auto"
     trace: bool = False
     test_corrupt: bool = False

@@ -1,0 +1,341 @@
+"""``KvcachedPDConnector``: the staged transport as a vLLM KV connector.
+
+It implements vLLM's public ``KVConnectorBase_V1`` and composes an inner vLLM
+``NixlConnector`` through the same interface, the way vLLM's ``MultiConnector``
+composes connectors:
+
+* requests whose peer is a kvcached-pd instance of the same wire and packed format
+  move through the staged path (:mod:`.prefill`, :mod:`.decode`), with this
+  connector's own NIXL agent, staging registration and handshake listener;
+* everything else (a plain vLLM peer, another format, TP > 1 for now) is the inner
+  connector's, unchanged; P's blocks are always the inner connector's, freed by its
+  notification or its lease, so a plain vLLM decode instance can read them.
+
+Each vLLM hook is one call on the prefill or decode side plus the inner connector's
+own call; nothing here touches the inner connector's private methods or attributes.
+Which vLLM release spells what lives in :mod:`kvcached_pd.vllm_api`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorRole,
+)
+
+from kvcached_pd import config, vllm_api
+from kvcached_pd.connector.decode import DecodeScheduler, DecodeWorker
+from kvcached_pd.connector.prefill import PrefillScheduler, PrefillWorker
+from kvcached_pd.connector.records import StepMetadata, WorkerReport
+from kvcached_pd.connector.region import StagingRegion
+from kvcached_pd.connector.side_channel import HandshakeListener
+from kvcached_pd.connector.stats import merge_samples
+from kvcached_pd.connector.wire import format_hash
+from kvcached_pd.transport import sizing
+from kvcached_pd.transport.format import PackedFormat
+from kvcached_pd.transport.staging import ExtentAllocator
+
+logger = logging.getLogger("kvcached_pd")
+
+
+@dataclass
+class StagedHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """A worker rank's handshake: the inner connector's, and ours (encoded
+    :class:`~kvcached_pd.connector.wire.RankHandshake`, None when not staged)."""
+
+    inner: Any = None
+    staged: bytes | None = None
+
+
+def packed_format(kv_cache_config: Any) -> tuple[PackedFormat | None, str]:
+    """This engine's packed format per TP rank, or None and the reason it has none."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) != 1:
+        return None, f"{len(groups)} KV-cache groups (the staged path serves one)"
+    spec = groups[0].kv_cache_spec
+    if type(spec).__name__ != "FullAttentionSpec":
+        return None, f"a {type(spec).__name__} cache (the staged path serves full attention)"
+    return PackedFormat.for_cache(len(groups[0].layer_names), spec.num_kv_heads,
+                                  spec.head_size, spec.dtype), ""
+
+
+def staged_reason(vllm_config: Any, kv_cache_config: Any,
+                  settings: config.Settings) -> tuple[PackedFormat | None, str]:
+    """The packed format when the staged path serves this engine, else the reason."""
+    if not settings.active:
+        return None, "kvcached-pd is not active (" + settings.gate_reason + ")"
+    if settings.transport != "staged":
+        return None, f"{config.KVCACHED_PD_TRANSPORT}={settings.transport}"
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    if tp != 1:
+        return None, (f"tensor parallel size {tp}: the staged path is validated at TP=1 "
+                      "only (its wire and packed format carry per-rank head ranges)")
+    if getattr(vllm_config.kv_transfer_config, "kv_buffer_device", "cuda") not in ("cuda", "cpu"):
+        return None, "a host-buffered NIXL transfer (kv_buffer_device)"
+    if kv_cache_config is None:
+        return None, "vLLM gave the connector no KV-cache config"
+    return packed_format(kv_cache_config)
+
+
+class KvcachedPDConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._inner = vllm_api.inner_connector_class()(vllm_config, role, kv_cache_config)
+        self._kv_cache_config = kv_cache_config
+        self._settings = config.settings()
+        kv_transfer = vllm_config.kv_transfer_config
+        self._engine_id = str(kv_transfer.engine_id)
+        self._kv_role = kv_transfer.kv_role
+        self._fmt, reason = staged_reason(vllm_config, kv_cache_config, self._settings)
+        self._prefill: PrefillScheduler | None = None
+        self._decode: DecodeScheduler | None = None
+        self._prefill_worker: PrefillWorker | None = None
+        self._decode_worker: DecodeWorker | None = None
+        self._region: StagingRegion | None = None
+        self._listener: HandshakeListener | None = None
+        self._invalid_blocks: set[int] = set()
+        if self._fmt is None:
+            level = logging.WARNING if self._settings.active else logging.INFO
+            logger.log(level, "kvcached-pd: the staged transport does not serve this engine "
+                       "(%s); vLLM's NixlConnector moves all KV", reason)
+            return
+        self._plan = sizing.plan_for(vllm_config, kv_cache_config, self._fmt,
+                                     self._settings.staging_mb)
+        if role == KVConnectorRole.SCHEDULER:
+            self._make_scheduler_sides(vllm_config, kv_cache_config)
+
+    # ------------------------------------------------------------------ set-up
+    def _make_scheduler_sides(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        fmt, plan = self._fmt, self._plan
+        block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+        digest = format_hash(fmt, 0, fmt.num_kv_heads)
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        if plan.prefill_bytes:
+            self._prefill = PrefillScheduler(
+                fmt=fmt, digest=digest, block_size=block_size,
+                allocator=ExtentAllocator(plan.prefill_bytes, sizing.ALIGNMENT),
+                engine_id=self._engine_id, tp_size=tp,
+                lease_s=vllm_api.kv_lease_seconds(vllm_config))
+        if plan.decode_bytes:
+            self._decode = DecodeScheduler(digest=digest, block_size=block_size,
+                                           capacity_bytes=plan.decode_bytes, tp_size=tp)
+
+    # ========================================================== scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        if self._decode is not None:
+            matched = self._decode.match(request, num_computed_tokens)
+            if matched is not None:
+                return matched
+        result = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        params = request.kv_transfer_params
+        if (self._prefill is not None and params and params.get("do_remote_decode")
+                and not self._prefill.admit(request)):
+            return None, False
+        return result
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        if self._decode is not None and self._decode.on_alloc(request, blocks,
+                                                              num_external_tokens):
+            return
+        self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
+        meta = StepMetadata(inner=self._inner.build_connector_meta(scheduler_output))
+        if self._prefill is not None:
+            meta.packs = self._prefill.on_step(scheduler_output, vllm_api.yield_req_data)
+            self._prefill.expire()
+        if self._decode is not None:
+            meta.recvs, meta.cancelled = self._decode.take_orders()
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, WorkerReport):
+            connector_output = dataclasses.replace(connector_output,
+                                                   kv_connector_worker_meta=report.inner)
+        if self._prefill is not None:
+            self._prefill.on_output(report.done if isinstance(report, WorkerReport) else (),
+                                    connector_output.finished_sending)
+        if self._decode is not None:
+            for request, blocks in self._decode.on_finished_recving(
+                    connector_output.finished_recving):
+                # No block left to read: the inner connector only tells P we are done.
+                self._inner.update_state_after_alloc(request, blocks, 0)
+        self._inner.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: Any):
+        if self._decode is not None:
+            self._decode.on_request_finished(request)
+        delay_free, params = self._inner.request_finished(request, block_ids)
+        if self._prefill is not None:
+            self._prefill.on_finished(request, delay_free, params)
+        return delay_free, params
+
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        inner = {rank: getattr(m, "inner", m) for rank, m in metadata.items()}
+        self._inner.set_xfer_handshake_metadata(inner)
+        self._listen({rank: getattr(m, "staged", None) for rank, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict) -> None:
+        inner = {key: getattr(m, "inner", m) for key, m in metadata.items()}
+        if hasattr(self._inner, "set_xfer_handshake_metadata_pp_aware"):
+            self._inner.set_xfer_handshake_metadata_pp_aware(inner)
+        else:
+            self._inner.set_xfer_handshake_metadata({tp: m for (_, tp), m in inner.items()})
+        self._listen({tp: getattr(m, "staged", None) for (_, tp), m in metadata.items()})
+
+    def _listen(self, staged: dict[int, bytes | None]) -> None:
+        staged = {rank: data for rank, data in staged.items() if data}
+        if self._prefill is None or not staged or self._listener is not None:
+            return
+        host = vllm_api.side_channel_host()
+        self._listener = HandshakeListener(host, self._settings.side_channel_port or 0, staged)
+        self._prefill.host, self._prefill.port = host, self._listener.port
+        logger.info("kvcached-pd: staged handshake listener on %s:%d for %d rank(s)", host,
+                    self._listener.port, len(staged))
+
+    def get_kv_connector_stats(self):
+        stats = self._inner.get_kv_connector_stats()
+        samples = []
+        for side in (self._prefill, self._decode, self._prefill_worker, self._decode_worker):
+            if side is not None:
+                samples.append(side.take_samples())
+        return merge_samples(stats, samples, type(self._inner))
+
+    # ============================================================= worker side
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self._inner.register_kv_caches(kv_caches)
+        if self._fmt is None:
+            return
+        plan = self._plan
+        tp_rank = vllm_api.tp_rank()
+        self._region = StagingRegion.create(kv_caches, self._kv_cache_config, self._fmt, plan,
+                                            tp_rank, 1)
+        if plan.prefill_bytes:
+            self._prefill_worker = PrefillWorker(
+                self._region, sync_pack=getattr(self._vllm_config, "speculative_config",
+                                                None) is not None)
+        if plan.decode_bytes:
+            self._decode_worker = DecodeWorker(self._region)
+        region = self._region
+        logger.info(
+            "kvcached-pd: staged transport ready: %d MiB staging (%s; prefill %d MiB, decode "
+            "%d MiB, %s) registered with its own NIXL agent, packed format %s, %d layers x "
+            "%d-token kernel blocks", region.buffer.tensor.numel() >> 20,
+            region.agent.memory_type, plan.prefill_bytes >> 20, plan.decode_bytes >> 20,
+            plan.rule, self._fmt.to_dict(), region.layers.num_layers, region.kernel_block_size)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._inner.bind_connector_metadata(getattr(connector_metadata, "inner",
+                                                    connector_metadata))
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._inner.clear_connector_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        self._inner.handle_preemptions(getattr(kv_connector_metadata, "inner",
+                                               kv_connector_metadata))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._inner.start_load_kv(forward_context, **kwargs)
+        if self._decode_worker is not None:
+            meta = self._get_connector_metadata()
+            self._decode_worker.start(meta.recvs, meta.cancelled)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._inner.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._inner.wait_for_save()
+        if self._prefill_worker is not None and self.has_connector_metadata():
+            self._prefill_worker.pack(self._get_connector_metadata().packs)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        sending, recving = self._inner.get_finished(finished_req_ids)
+        if self._decode_worker is not None:
+            done, invalid = self._decode_worker.poll()
+            self._invalid_blocks |= invalid
+            if done:
+                recving = set(recving or ()) | done
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return set(self._inner.get_block_ids_with_load_errors()) | invalid
+
+    def build_connector_worker_meta(self):
+        inner = self._inner.build_connector_worker_meta()
+        done = self._prefill_worker.done() if self._prefill_worker is not None else set()
+        if inner is None and not done:
+            return None
+        return WorkerReport(inner=inner, done=done)
+
+    def get_handshake_metadata(self):
+        inner = self._inner.get_handshake_metadata()
+        if self._region is None:
+            return inner
+        return StagedHandshakeMetadata(inner=inner,
+                                       staged=self._region.handshake(self._engine_id).encode())
+
+    def shutdown(self) -> None:
+        try:
+            self._inner.shutdown()
+        finally:
+            if self._listener is not None:
+                self._listener.close()
+            if self._decode_worker is not None:
+                self._decode_worker.close()
+            if self._region is not None:
+                self._region.agent.close()
+
+
+def _forward(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self._inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"The inner NixlConnector's ``{name}``."
+    return method
+
+
+def _forward_class(name: str):
+    def method(cls, *args, **kwargs):
+        return getattr(vllm_api.inner_connector_class(), name)(*args, **kwargs)
+
+    method.__name__ = name
+    return classmethod(method)
+
+
+def _forward_property(name: str):
+    return property(lambda self: getattr(self._inner, name))
+
+
+def _install_forwarders() -> None:
+    """Every other public method of this vLLM's ``KVConnectorBase_V1`` goes to the inner
+    connector as it is, so the wrapper follows the interface of each release."""
+    for name, value in vars(KVConnectorBase_V1).items():
+        if name.startswith("_") or name in vars(KvcachedPDConnector) or name == "role":
+            continue
+        if isinstance(value, classmethod):
+            setattr(KvcachedPDConnector, name, _forward_class(name))
+        elif isinstance(value, property):
+            setattr(KvcachedPDConnector, name, _forward_property(name))
+        elif callable(value) and not isinstance(value, staticmethod):
+            setattr(KvcachedPDConnector, name, _forward(name))
+
+
+_install_forwarders()

@@ -1,0 +1,249 @@
+"""The prefill side: reserve an extent, pack after the forward, free on D's DONE.
+
+Scheduler half (:class:`PrefillScheduler`), one call per vLLM hook:
+
+* ``admit`` (``get_num_new_matched_tokens``): a remote-decode request gets its extent
+  before vLLM schedules its prefill. With no room, vLLM skips the request and asks
+  again next step, so a full staging means waiting for D's READs to free room, never
+  the direct path (0.5 GB/s from kvcached memory).
+* ``on_step`` (``build_connector_meta``): follow the request's blocks; in the step
+  that schedules its last prompt tokens, order the pack into the extent.
+* ``on_finished`` (``request_finished``): add :class:`StagedParams` to the
+  ``kv_transfer_params`` that vLLM hands to D.
+* ``on_output`` (``update_connector_output``): free the extent at the first of D's
+  DONE (its READ completed), vLLM freeing P's blocks (a plain D read them, or D
+  notified P after its READ, or an abort), or the lease running out.
+
+Worker half (:class:`PrefillWorker`): ``pack`` (``wait_for_save``) gathers every
+layer's blocks into the extent on the compute stream, after that step's forward and
+before vLLM samples: P's response, which hands D the extent, cannot exist before the
+pack has run. ``done`` (``get_finished``) collects D's DONE notifications.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from kvcached_pd.connector.records import PackOrder
+from kvcached_pd.connector.region import StagingRegion
+from kvcached_pd.connector.wire import WIRE_VERSION, Done, PARAMS_KEY, StagedParams
+from kvcached_pd.transport.format import PackedFormat
+from kvcached_pd.transport.pack import pack_request
+from kvcached_pd.transport.staging import Extent, ExtentAllocator
+from kvcached_pd.transport.trace import ms_since, trace
+
+logger = logging.getLogger("kvcached_pd")
+
+
+@dataclass
+class _Staged:
+    extent: Extent
+    order: PackOrder | None = None  # set once the pack is ordered
+    params: StagedParams | None = None  # set once the request finished for a remote D
+    finished_at: float = 0.0
+    done_ranks: set[int] = field(default_factory=set)
+
+
+@dataclass
+class PrefillScheduler:
+    fmt: PackedFormat
+    digest: str
+    block_size: int
+    allocator: ExtentAllocator
+    engine_id: str
+    tp_size: int
+    lease_s: float
+    host: str = ""
+    port: int = 0  # the side channel's, known once vLLM handed over the handshakes
+    staged: dict[str, _Staged] = field(default_factory=dict)
+    blocks: dict[str, list[int]] = field(default_factory=dict)  # admitted, not packed yet
+    requests: dict[str, Any] = field(default_factory=dict)
+    waiting: set[str] = field(default_factory=set)
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------- vLLM's hooks
+    def admit(self, request: Any) -> bool:
+        """Reserve the extent of a remote-decode prefill. False: no room now; vLLM
+        holds the request back and asks again next step."""
+        req_id = request.request_id
+        if req_id in self.staged:
+            return True
+        nbytes = self.extent_bytes(request)
+        extent = self.allocator.alloc(nbytes, req_id)
+        if extent is None:
+            if nbytes > self.allocator.capacity_bytes:
+                return True  # can never fit: vLLM's own path (startup checks the size)
+            if req_id not in self.waiting:
+                self.waiting.add(req_id)
+                self._sample("waits", 1)
+                logger.info("kvcached-pd: prefill staging full (%d of %d MiB in use); request "
+                            "%s (%d MiB) waits for room", self.allocator.used_bytes >> 20,
+                            self.allocator.capacity_bytes >> 20, req_id, nbytes >> 20)
+            return False
+        self.waiting.discard(req_id)
+        self.staged[req_id] = _Staged(extent)
+        self.blocks[req_id] = []
+        self.requests[req_id] = request
+        self._usage_changed()
+        return True
+
+    def on_step(self, scheduler_output: Any, yield_req_data) -> dict[str, PackOrder]:
+        packs: dict[str, PackOrder] = {}
+        num_scheduled = scheduler_output.num_scheduled_tokens or {}
+        for req_id, new_block_id_groups, preempted in yield_req_data(scheduler_output):
+            if req_id not in self.blocks or new_block_id_groups is None:
+                continue
+            ids = self.blocks[req_id]
+            if preempted:
+                ids.clear()
+            ids.extend(new_block_id_groups[0])
+            req = self.requests[req_id]
+            if req.num_computed_tokens + num_scheduled.get(req_id, 0) < req.num_prompt_tokens:
+                continue  # a later chunk completes the prompt
+            del self.blocks[req_id]
+            entry = self.staged[req_id]
+            n_blocks = math.ceil(int(req.num_prompt_tokens) / self.block_size)
+            entry.order = PackOrder(tuple(ids[:n_blocks]), entry.extent.offset,
+                                    entry.extent.nbytes, n_blocks * self.block_size)
+            packs[req_id] = entry.order
+            trace("pack_ordered", req_id, bytes=entry.extent.nbytes,
+                  tokens=int(req.num_prompt_tokens),
+                  since_arrival_ms=ms_since(getattr(req, "arrival_time", None)))
+        return packs
+
+    def on_finished(self, request: Any, delay_free: bool, params: dict | None) -> None:
+        req_id = request.request_id
+        self.waiting.discard(req_id)
+        self.requests.pop(req_id, None)
+        entry = self.staged.get(req_id)
+        if entry is None:
+            return
+        if entry.order is None or not delay_free or not params or not self.port:
+            self.release(req_id)  # aborted before its prompt completed, or no remote D
+            return
+        entry.params = StagedParams(
+            wire_version=WIRE_VERSION, engine_id=self.engine_id, request_id=req_id,
+            host=self.host, port=self.port, tp_size=self.tp_size, offset=entry.extent.offset,
+            nbytes=entry.extent.nbytes, n_tok_slots=entry.order.n_tok_slots,
+            num_tokens=int(request.num_prompt_tokens), lease_s=self.lease_s,
+            format_digest=self.digest)
+        entry.finished_at = time.monotonic()
+        params[PARAMS_KEY] = entry.params.to_params()
+        trace("p_finished", req_id, bytes=entry.extent.nbytes)
+
+    def on_output(self, done: Iterable[tuple[str, int]], finished_sending: Iterable[str]) -> None:
+        for req_id, rank in done:
+            entry = self.staged.get(req_id)
+            if entry is not None:
+                entry.done_ranks.add(rank)
+                if len(entry.done_ranks) >= self.tp_size:
+                    self.release(req_id)
+        for req_id in finished_sending or ():
+            self.release(req_id)
+        self.expire()
+
+    def expire(self, now: float | None = None) -> None:
+        """Free extents whose lease ran out without D's DONE or vLLM freeing the blocks
+        (a D that died): D never starts a READ after half the lease."""
+        now = time.monotonic() if now is None else now
+        for req_id, entry in list(self.staged.items()):
+            if entry.params is not None and now - entry.finished_at > self.lease_s:
+                logger.warning("kvcached-pd: request %s: no decode instance read its %d MiB "
+                               "extent within the %.0f s lease; freeing it", req_id,
+                               entry.extent.nbytes >> 20, self.lease_s)
+                self.release(req_id)
+
+    # ----------------------------------------------------------------- helpers
+    def extent_bytes(self, request: Any) -> int:
+        n_blocks = math.ceil(int(request.num_prompt_tokens) / self.block_size)
+        return self.fmt.extent_bytes(n_blocks * self.block_size)
+
+    def release(self, req_id: str) -> None:
+        self.blocks.pop(req_id, None)
+        self.requests.pop(req_id, None)
+        entry = self.staged.pop(req_id, None)
+        if entry is not None:
+            self.allocator.free(entry.extent)
+            self._usage_changed()
+            trace("p_released", req_id, held_ms=ms_since(entry.finished_at or None))
+
+    def _sample(self, key: str, value: float) -> None:
+        self.samples.setdefault(key, []).append(value)
+
+    def _usage_changed(self) -> None:
+        self._sample("prefill_staging_bytes", self.allocator.used_bytes)
+
+    def take_samples(self) -> dict[str, list[float]]:
+        samples, self.samples = self.samples, {}
+        return samples
+
+
+@dataclass
+class PrefillWorker:
+    region: StagingRegion
+    sync_pack: bool = False  # speculative decoding: vLLM samples before wait_for_save
+    packing: list[tuple[str, int, Any, Any, float]] = field(default_factory=list)
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    def pack(self, packs: dict[str, PackOrder]) -> None:
+        """Gather each finished prefill's blocks into its extent, on the compute stream
+        (stream-ordered after the forward, before sampling: see the module docstring).
+        With speculative decoding vLLM calls ``wait_for_save`` only after sampling, so
+        the response could leave before the pack ran: P then waits for it."""
+        if not packs:
+            return
+        region = self.region
+        t0 = time.perf_counter()
+        start = end = stream = None
+        if region.buffer.tensor.is_cuda:
+            stream = torch.cuda.current_stream(region.buffer.tensor.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        for req_id, order in packs.items():
+            kernel_ids = region.kernel_ids(list(order.block_ids))
+            if len(kernel_ids) * region.kernel_block_size != order.n_tok_slots:
+                raise RuntimeError(
+                    f"kvcached-pd: request {req_id}: the scheduler planned {order.n_tok_slots} "
+                    f"token slots, the worker has {len(kernel_ids) * region.kernel_block_size}")
+            pack_request(region.layers, kernel_ids, region.region(order.offset, order.nbytes),
+                         region.fmt)
+        if end is not None:
+            end.record(stream)
+            if self.sync_pack:
+                end.synchronize()
+        self.packing.append((",".join(packs), sum(o.nbytes for o in packs.values()),
+                             start, end, t0))
+        self.reap()
+
+    def reap(self) -> None:
+        still = []
+        for entry in self.packing:
+            req_ids, nbytes, start, end, t0 = entry
+            if end is not None and not end.query():
+                still.append(entry)
+                continue
+            device = start.elapsed_time(end) / 1e3 if end is not None else time.perf_counter() - t0
+            self.samples.setdefault("pack_duration", []).append(device)
+            trace("packed", req_ids, bytes=nbytes, device_ms=round(1e3 * device, 3))
+        self.packing = still
+
+    def take_samples(self) -> dict[str, list[float]]:
+        self.reap()
+        samples, self.samples = self.samples, {}
+        return samples
+
+    def done(self) -> set[tuple[str, int]]:
+        """D's DONE notifications received since the last call."""
+        self.reap()
+        done = set()
+        for message in self.region.agent.notifications():
+            record = Done.decode(message)
+            if record is not None:
+                done.add((record.request_id, record.rank))
+        return done

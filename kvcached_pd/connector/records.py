@@ -1,0 +1,65 @@
+"""What the connector's scheduler half hands its worker half each step, and back.
+
+vLLM carries these between processes (pickled): the scheduler's
+:class:`StepMetadata` rides in ``SchedulerOutput.kv_connector_metadata``; the worker's
+:class:`WorkerReport` rides in ``KVConnectorOutput.kv_connector_worker_meta`` and is
+aggregated over TP ranks before the scheduler sees it. Both wrap the inner
+NixlConnector's own records, which are passed on to it untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from kvcached_pd.connector.wire import StagedParams
+
+
+@dataclass(frozen=True)
+class PackOrder:
+    """P: gather these scheduler blocks into ``[offset, offset + nbytes)`` of staging."""
+
+    block_ids: tuple[int, ...]
+    offset: int
+    nbytes: int
+    n_tok_slots: int
+
+
+@dataclass(frozen=True)
+class RecvOrder:
+    """D: READ P's extent and scatter tokens ``[first_token, params.num_tokens)`` into
+    ``block_ids`` (D's scheduler blocks holding those tokens, in token order)."""
+
+    params: StagedParams
+    block_ids: tuple[int, ...]
+    first_token: int
+    deadline: float  # time.monotonic() on D after which the READ must not start
+
+
+@dataclass
+class StepMetadata(KVConnectorMetadata):
+    inner: Any = None
+    packs: dict[str, PackOrder] = field(default_factory=dict)
+    recvs: dict[str, RecvOrder] = field(default_factory=dict)
+    cancelled: set[str] = field(default_factory=set)  # D: aborted before their READ
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    inner: Any = None
+    # P: (request id, D rank) READs completed, from D's DONE notifications
+    done: set[tuple[str, int]] = field(default_factory=set)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        assert isinstance(other, WorkerReport)
+        inner = self.inner
+        if inner is None:
+            inner = other.inner
+        elif other.inner is not None:
+            inner = inner.aggregate(other.inner)
+        return WorkerReport(inner=inner, done=self.done | other.done)

@@ -1,0 +1,187 @@
+"""One worker's staging region: the device buffer, its NIXL agent, the cache views.
+
+Built once in ``register_kv_caches`` and shared by the prefill and decode sides of a
+worker (a ``kv_both`` instance has both). The buffer is ordinary device memory, not
+kvcached's virtual memory: NIXL/UCX moves kvcached-mapped memory at ~0.5 GB/s but
+ordinary device memory at the link's speed (243 GB/s measured at 1 GiB on NVLink), so
+kvcached memory is never the remote side of a transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcached_pd.connector.wire import RankHandshake, WIRE_VERSION, format_hash
+from kvcached_pd.transport.format import PackedFormat
+from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
+from kvcached_pd.transport.sizing import ALIGNMENT, StagingPlan
+from kvcached_pd.transport.staging import StagingBuffer
+
+logger = logging.getLogger("kvcached_pd")
+
+CHUNK_BYTES = 64 << 20  # one NIXL descriptor per 64 MiB of extent
+
+
+class StagingAgent:
+    """This worker's own NIXL agent (not vLLM's): it registers only the staging buffer,
+    loads P peers from their handshakes, posts READs and reads notifications."""
+
+    def __init__(self, tensor: torch.Tensor, backends: tuple[str, ...] = ("UCX",)) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = f"kvcached-pd-{uuid.uuid4()}"
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends)))
+        self.memory_type = "VRAM" if tensor.is_cuda else "DRAM"
+        self.device_id = (tensor.device.index or 0) if tensor.is_cuda else 0
+        self.base = int(tensor.data_ptr())
+        self.nbytes = int(tensor.numel() * tensor.element_size())
+        self._reg = self.agent.get_reg_descs(
+            [(self.base, self.nbytes, self.device_id, "")], self.memory_type)
+        self.agent.register_memory(self._reg)
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def add_peer(self, handshake: RankHandshake) -> str:
+        return self.agent.add_remote_agent(handshake.agent_metadata)
+
+    def read(self, peer: str, handshake: RankHandshake, remote_offset: int,
+             local_offset: int, nbytes: int, notif: bytes) -> Any:
+        """Post a READ of ``nbytes`` from the peer's staging into ours, one descriptor per
+        ``CHUNK_BYTES``; NIXL delivers ``notif`` to the peer when it has completed.
+        Raises if NIXL refuses (no handle is left behind)."""
+        local, remote = [], []
+        for start in range(0, nbytes, CHUNK_BYTES):
+            length = min(CHUNK_BYTES, nbytes - start)
+            local.append((self.base + local_offset + start, length, self.device_id))
+            remote.append((handshake.staging_base + remote_offset + start, length,
+                           handshake.device_id))
+        handle = self.agent.initialize_xfer(
+            "READ", self.agent.get_xfer_descs(local, self.memory_type),
+            self.agent.get_xfer_descs(remote, handshake.memory_type), peer, notif)
+        try:
+            state = self.agent.transfer(handle)
+        except BaseException:
+            self.agent.release_xfer_handle(handle)
+            raise
+        if state == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise RuntimeError("NIXL refused to start the READ")
+        return handle
+
+    def state(self, handle: Any) -> str:
+        """"DONE", "PROC" or "ERR" (an exception from NIXL counts as "ERR")."""
+        try:
+            return self.agent.check_xfer_state(handle)
+        except Exception:  # noqa: BLE001 - a broken transfer is a failed one
+            return "ERR"
+
+    def release(self, handle: Any) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("kvcached-pd: could not release a NIXL transfer handle: %s", exc)
+
+    def notifications(self) -> list[bytes]:
+        messages: list[bytes] = []
+        for batch in self.agent.get_new_notifs().values():
+            messages.extend(batch)
+        return messages
+
+    def close(self) -> None:
+        try:
+            self.agent.deregister_memory(self._reg)
+        except Exception:  # noqa: BLE001 - shutdown path
+            pass
+
+
+def cache_layers(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any) -> tuple[KVCacheLayers, int, int]:
+    """The logical views of this worker's attention caches, the kernel block size and
+    how many kernel blocks make one of the scheduler's blocks.
+
+    vLLM may split a scheduler block into several kernel blocks (the attention kernel's
+    block size); the caches then hold ``ratio x num_blocks`` blocks of
+    ``block_size / ratio`` tokens. The ratio is read off the tensors, not from vLLM's
+    private worker attributes.
+    """
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    block_size = int(spec.block_size)
+    caches, seen = [], set()
+    for name in group.layer_names:
+        cache = kv_caches[name]
+        if cache.data_ptr() not in seen:
+            seen.add(cache.data_ptr())
+            caches.append(cache)
+    errors = []
+    ratio = 1
+    while ratio <= block_size:
+        if block_size % ratio == 0:
+            kernel_bs = block_size // ratio
+            try:
+                views = [logical_kv_view(c, AttnCacheSpec(kernel_bs, spec.num_kv_heads,
+                                                          spec.head_size)) for c in caches]
+                layers = KVCacheLayers.from_views(views)
+            except ValueError as exc:
+                errors.append(str(exc))
+            else:
+                if layers.num_blocks >= int(kv_cache_config.num_blocks) * ratio:
+                    return layers, kernel_bs, ratio
+                errors.append(f"{layers.num_blocks} blocks of {kernel_bs} tokens do not hold "
+                              f"{kv_cache_config.num_blocks} blocks of {block_size}")
+        ratio *= 2
+    raise ValueError("kvcached-pd cannot read this KV cache's layout: " + "; ".join(errors[-2:]))
+
+
+@dataclass
+class StagingRegion:
+    """A worker's staging buffer, agent and cache views (see the module docstring)."""
+
+    fmt: PackedFormat
+    plan: StagingPlan
+    buffer: StagingBuffer
+    agent: StagingAgent
+    layers: KVCacheLayers
+    kernel_block_size: int
+    ratio: int
+    tp_rank: int
+    tp_size: int
+    head_start: int
+    head_count: int
+
+    @classmethod
+    def create(cls, kv_caches: dict[str, torch.Tensor], kv_cache_config: Any, fmt: PackedFormat,
+               plan: StagingPlan, tp_rank: int, tp_size: int) -> "StagingRegion":
+        layers, kernel_bs, ratio = cache_layers(kv_caches, kv_cache_config)
+        buffer = StagingBuffer(plan.total_bytes, layers.device, alignment=ALIGNMENT,
+                               alloc_start=plan.decode_start, alloc_bytes=plan.decode_bytes)
+        agent = StagingAgent(buffer.tensor)
+        heads = fmt.num_kv_heads
+        return cls(fmt=fmt, plan=plan, buffer=buffer, agent=agent, layers=layers,
+                   kernel_block_size=kernel_bs, ratio=ratio, tp_rank=tp_rank, tp_size=tp_size,
+                   head_start=tp_rank * heads, head_count=heads)
+
+    @property
+    def digest(self) -> str:
+        return format_hash(self.fmt, self.head_start, self.head_count)
+
+    def handshake(self, engine_id: str) -> RankHandshake:
+        return RankHandshake(
+            wire_version=WIRE_VERSION, engine_id=engine_id, tp_rank=self.tp_rank,
+            tp_size=self.tp_size, agent_name=self.agent.name,
+            agent_metadata=self.agent.metadata(), staging_base=self.agent.base,
+            staging_bytes=self.agent.nbytes, device_id=self.agent.device_id,
+            memory_type=self.agent.memory_type, packed_format=self.fmt.to_dict(),
+            head_start=self.head_start, head_count=self.head_count, format_digest=self.digest)
+
+    def region(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.buffer.tensor[offset: offset + nbytes]
+
+    def kernel_ids(self, block_ids: list[int]) -> list[int]:
+        r = self.ratio
+        return [b * r + i for b in block_ids for i in range(r)]

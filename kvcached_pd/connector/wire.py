@@ -1,0 +1,177 @@
+"""What crosses between a prefill (P) and a decode (D) kvcached-pd connector.
+
+Three records, nothing else:
+
+* :class:`RankHandshake`: one per P worker rank, served by P's side channel and fetched
+  once per peer rank by D's worker. It carries P's NIXL agent, its staging region and
+  the packed format; D checks the wire version and the format here, once per peer.
+* :class:`StagedParams`: per request, P -> D inside vLLM's ``kv_transfer_params``
+  (under :data:`PARAMS_KEY`, next to the inner NixlConnector's own keys, which a plain
+  vLLM decode instance reads and ignores ours). It says where the packed extent lies.
+* :class:`Done`: D -> P, the NIXL notification that rides on D's READ and reaches P
+  when the READ has completed; P then frees the extent.
+
+The model is vLLM's ``nixl/metadata.py``: a version constant with its history, and a
+compatibility check at handshake rather than per request. Per-request params carry
+only the version and a hash of the format, which D's scheduler compares with its own
+before routing a request to the staged path (cheap, and it lets D route requests from
+an incompatible P to vLLM's own path without waiting for a handshake).
+
+Wire version history
+  1 (2026-11-23): first connector wire. Handshake per P rank; per-request extent at
+    one offset in every P rank's staging (each rank packs its own heads there); DONE
+    notification ``KVPD1:D:<request id>:<rank>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+import msgspec
+
+from kvcached_pd.transport.format import PackedFormat
+
+WIRE_VERSION = 1
+# Versions this build can talk to. A new version that only adds optional fields may
+# list its predecessor here; a change in meaning must not.
+COMPATIBLE_WIRE_VERSIONS = frozenset({1})
+
+PARAMS_KEY = "kvcached_pd"  # in kv_transfer_params, P -> D
+_DONE_PREFIX = b"KVPD1:D:"
+
+
+class WireError(ValueError):
+    """A peer sent something this build cannot use (reason in the message)."""
+
+
+def format_hash(fmt: PackedFormat, head_start: int, head_count: int) -> str:
+    """A short, stable digest of what must match for an extent to be unpacked as-is:
+    the packed format (layers, heads, head size, dtype) and the rank's head range."""
+    text = json.dumps({**fmt.to_dict(), "head_start": head_start, "head_count": head_count},
+                      sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RankHandshake:
+    """One P worker rank, as D needs it to READ from that rank's staging."""
+
+    wire_version: int
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    agent_name: str
+    agent_metadata: bytes
+    staging_base: int  # device address of the registered staging buffer
+    staging_bytes: int
+    device_id: int
+    memory_type: str  # NIXL memory type of the staging buffer: "VRAM" or "DRAM"
+    packed_format: dict[str, Any]  # PackedFormat.to_dict()
+    head_start: int  # this rank's first KV head in the model's numbering (TP > 1)
+    head_count: int
+    format_digest: str
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "RankHandshake":
+        try:
+            return msgspec.msgpack.decode(data, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError(f"undecodable kvcached-pd handshake: {exc}") from exc
+
+    def check_compatible(self, own_format: PackedFormat, own_digest: str) -> None:
+        """Raise :class:`WireError` unless this peer's extents can be unpacked here."""
+        if self.wire_version not in COMPATIBLE_WIRE_VERSIONS:
+            raise WireError(f"peer {self.engine_id} speaks kvcached-pd wire version "
+                            f"{self.wire_version}; this build speaks "
+                            f"{sorted(COMPATIBLE_WIRE_VERSIONS)}")
+        try:
+            own_format.check_compatible(PackedFormat.from_dict(self.packed_format))
+        except ValueError as exc:
+            raise WireError(f"peer {self.engine_id}: {exc}") from exc
+        if self.format_digest != own_digest:
+            raise WireError(f"peer {self.engine_id} packs heads [{self.head_start}, "
+                            f"{self.head_start + self.head_count}) per rank; this rank "
+                            "expects another range")
+
+
+@dataclass(frozen=True)
+class StagedParams:
+    """Where one request's packed KV waits on P (the same offset on every P rank)."""
+
+    wire_version: int
+    engine_id: str
+    request_id: str  # P's request id: what D's DONE names
+    host: str  # P's kvcached-pd side channel
+    port: int
+    tp_size: int
+    offset: int
+    nbytes: int  # per rank
+    n_tok_slots: int
+    num_tokens: int
+    lease_s: float  # P frees the extent this long after the request finished at the latest
+    format_digest: str
+
+    def to_params(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> "StagedParams | None":
+        """The staged params in a request's ``kv_transfer_params``, None when there are
+        none (a plain vLLM prefill); :class:`WireError` when they are malformed."""
+        raw = (params or {}).get(PARAMS_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, Mapping):
+            raise WireError(f"{PARAMS_KEY} in kv_transfer_params is not a mapping: {raw!r}")
+        names = {f.name: f.type for f in fields(cls)}
+        missing = sorted(set(names) - set(raw))
+        if missing:
+            raise WireError(f"{PARAMS_KEY} lacks {missing} (peer wire version "
+                            f"{raw.get('wire_version')!r})")
+        try:
+            return cls(**{name: _coerce(raw[name], kind) for name, kind in names.items()})
+        except (TypeError, ValueError) as exc:
+            raise WireError(f"malformed {PARAMS_KEY}: {exc}") from exc
+
+
+def _coerce(value: Any, kind: Any) -> Any:
+    kind = str(kind)
+    if kind == "int":
+        if isinstance(value, bool) or int(value) != value:
+            raise ValueError(f"{value!r} is not an integer")
+        return int(value)
+    if kind == "float":
+        return float(value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ValueError(f"{value!r} is not a string")
+        return value
+    return value
+
+
+@dataclass(frozen=True)
+class Done:
+    """D's READ of ``request_id``'s extent from P rank ``rank`` has completed."""
+
+    request_id: str
+    rank: int
+
+    def encode(self) -> bytes:
+        return _DONE_PREFIX + f"{self.request_id}:{self.rank}".encode()
+
+    @classmethod
+    def decode(cls, message: bytes) -> "Done | None":
+        """None for a message that is not a kvcached-pd DONE."""
+        if not message.startswith(_DONE_PREFIX):
+            return None
+        body = message[len(_DONE_PREFIX):].decode(errors="replace")
+        request_id, _, rank = body.rpartition(":")
+        if not request_id or not rank.isdigit():
+            return None
+        return cls(request_id, int(rank))

@@ -1,0 +1,128 @@
+"""What kvcached-pd's connector needs from vLLM, per release, in one table.
+
+Every vLLM-specific name the connector, the routing patch, the doctor and the tests
+rely on is a field of :class:`VllmApi`; :data:`RELEASES` holds one record per range of
+vLLM releases (``packaging`` specifiers, matched against the release number so that
+dev builds count as the release they precede). To support a new release: install it,
+run the test matrix, and add or widen a record where a name or signature moved.
+
+Everything used is vLLM's public connector interface (``KVConnectorBase_V1``, the
+connector factory, ``vllm.envs``, the KV-connector utilities): the connector composes
+``NixlConnector`` through its public methods and never touches its private state.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from kvcached_pd.versions import installed_version, parse_release
+
+NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+FACTORY_MODULE = "vllm.distributed.kv_transfer.kv_connector.factory"
+CONNECTOR_MODULE = "kvcached_pd.connector"  # kv_connector_module_path, for naming it
+CONNECTOR_CLASS = "KvcachedPDConnector"
+
+
+@dataclass(frozen=True)
+class VllmApi:
+    """One range of vLLM releases and how they spell what the connector uses."""
+
+    releases: str  # packaging specifier set over release numbers
+    # kv_connector names whose pull-mode NixlConnector the autopatch routes to ours
+    pull_names: tuple[str, ...]
+    # the push-mode connector (P WRITEs); None where vLLM has none
+    push_name: str | None
+    # where P's hold on a finished request's blocks ends: "abort_timeout"
+    # (VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s) or "kv_lease" (kv_lease_duration in the
+    # connector's extra config, 30 s by default, renewed by D's heartbeats)
+    lease: str
+    # the engine core hands the workers' handshakes to the scheduler's connector via
+    # this method (keyed by TP rank, or by (PP rank, TP rank))
+    handshake_setter: str
+    # KVConnectorBase_V1.__init__ takes kv_cache_config (optional before 0.21)
+    init_takes_kv_cache_config: str  # "optional" or "required"
+
+    def contains(self, version: str) -> bool:
+        release = Version(".".join(str(p) for p in parse_release(version)))
+        return release in SpecifierSet(self.releases)
+
+
+RELEASES: tuple[VllmApi, ...] = (
+    VllmApi(releases=">=0.20,<0.24", pull_names=("NixlConnector",), push_name=None,
+            lease="abort_timeout", handshake_setter="set_xfer_handshake_metadata",
+            init_takes_kv_cache_config="optional"),
+    VllmApi(releases=">=0.24,<0.26", pull_names=("NixlConnector", "NixlPullConnector"),
+            push_name="NixlPushConnector", lease="kv_lease",
+            handshake_setter="set_xfer_handshake_metadata",
+            init_takes_kv_cache_config="required"),
+    VllmApi(releases=">=0.26,<0.31", pull_names=("NixlConnector", "NixlPullConnector"),
+            push_name="NixlPushConnector", lease="kv_lease",
+            handshake_setter="set_xfer_handshake_metadata_pp_aware",
+            init_takes_kv_cache_config="required"),
+)
+
+SUPPORTED = ">=0.20,<0.31"
+
+
+def api_for(version: str | None) -> VllmApi | None:
+    """The record of ``version`` (default: the installed vLLM), None outside the table."""
+    version = version if version is not None else installed_version("vllm")
+    if version is None:
+        return None
+    for record in RELEASES:
+        if record.contains(version):
+            return record
+    return None
+
+
+@lru_cache(maxsize=1)
+def current() -> VllmApi:
+    record = api_for(None)
+    if record is None:
+        raise RuntimeError(f"vLLM {installed_version('vllm')} is outside the releases "
+                           f"kvcached-pd's connector knows ({SUPPORTED})")
+    return record
+
+
+def inner_connector_class() -> type:
+    """vLLM's pull-mode NixlConnector, the connector ours composes."""
+    return getattr(importlib.import_module(NIXL_PACKAGE), "NixlConnector")
+
+
+def yield_req_data(scheduler_output: Any):
+    """(request id, new block ids per group, preempted) of every scheduled request."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data as impl
+
+    return impl(scheduler_output)
+
+
+def kv_lease_seconds(vllm_config: Any) -> float:
+    """How long P holds a finished request's blocks without word from D."""
+    if current().lease == "kv_lease":
+        cfg = vllm_config.kv_transfer_config
+        return float(cfg.get_from_extra_config("kv_lease_duration", 30))
+    import vllm.envs as envs
+
+    return float(envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
+
+
+def side_channel_host() -> str:
+    """The host P advertises to D: vLLM's own NIXL side-channel host setting."""
+    import vllm.envs as envs
+
+    return str(envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
+
+
+def tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except AssertionError:  # no model-parallel group (single-process tests)
+        return 0

@@ -1,0 +1,214 @@
+"""A prefill and a decode instance of kvcached-pd's connector, on the CPU.
+
+Each side is what vLLM builds: its real ``AsyncScheduler`` creating the connector's
+scheduler half through vLLM's connector factory, and the connector's worker half
+(with vLLM's real ``NixlConnector`` inside, and real NIXL agents over UCX on host
+memory) holding that instance's KV caches. :class:`Engine` plays EngineCore's loop
+without a model: ``schedule`` -> the worker's connector calls -> ``update_from_output``.
+P's "forward" leaves the caches as they are; they were filled with random values, so
+D's blocks must end up equal to P's blocks, token for token.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcached_pd import vllm_api
+from tests.conftest import vllm_release
+from tests.support import vllm_nixl_worker as vw
+
+HEADS, HEAD_DIM, LAYERS = 2, 64, 3
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+MODULE_PATH = "kvcached_pd.connector"
+
+
+def connector_config(kv_role: str, block_size: int, num_blocks: int, staged: bool = True,
+                     engine_id: str | None = None):
+    from vllm.config import KVTransferConfig
+
+    config = vw.make_vllm_config(_model_dir(), block_size=block_size, kv_role=kv_role)
+    if staged:
+        config.kv_transfer_config = KVTransferConfig(
+            kv_connector="KvcachedPDConnector", kv_connector_module_path=MODULE_PATH,
+            kv_role=kv_role, kv_buffer_device="cpu", engine_id=engine_id)
+    elif engine_id:
+        config.kv_transfer_config.engine_id = engine_id
+    config.scheduler_config.async_scheduling = True
+    config.cache_config.enable_prefix_caching = False
+    config.cache_config.num_gpu_blocks = num_blocks
+    return config
+
+
+_MODEL_DIR: list[str] = []
+
+
+def _model_dir() -> str:
+    """One model for every instance of the test process (NIXL's handshake compares the
+    model of both sides)."""
+    if not _MODEL_DIR:
+        _MODEL_DIR.append(vw.write_tiny_llama(tempfile.mkdtemp(), LAYERS, HEADS, HEAD_DIM))
+    return _MODEL_DIR[0]
+
+
+@dataclass
+class Engine:
+    """One instance: scheduler, worker connector, KV caches."""
+
+    name: str
+    sched: Any
+    worker: Any
+    caches: list[torch.Tensor]
+    block_size: int
+    port: int = 0  # this instance's VLLM_NIXL_SIDE_CHANNEL_PORT
+    outputs: dict[str, Any] = field(default_factory=dict)  # req id -> EngineCoreOutput
+
+    @property
+    def connector(self):
+        return self.sched.get_kv_connector()
+
+    def step(self) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        # each instance is its own process with its own environment; vLLM reads its
+        # side-channel port from the environment when it builds a request's params
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.port)
+        out = self.sched.schedule()
+        worker = self.worker
+        meta = out.kv_connector_metadata
+        if meta is not None:
+            worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        sending, recving = worker.get_finished(out.finished_req_ids)
+        kv_out = KVConnectorOutput(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+            kv_connector_stats=worker.get_kv_connector_stats())
+        worker.clear_connector_metadata()
+        req_ids = list(out.num_scheduled_tokens)
+        runner = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[7] for _ in req_ids], logprobs=None, prompt_logprobs_dict={},
+            pooler_output=None, kv_connector_output=kv_out)
+        results = self.sched.update_from_output(out, runner)
+        for eco in results.values():
+            for o in eco.outputs:
+                self.outputs[o.request_id] = o
+        return out
+
+    def blocks_of(self, req_id: str) -> list[int]:
+        return list(self.sched.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def tokens(self, block_ids: list[int], num_tokens: int) -> list[torch.Tensor]:
+        """Each layer's K and V of tokens ``[0, num_tokens)`` held in ``block_ids``."""
+        from kvcached_pd.transport.layout import AttnCacheSpec, logical_kv_view
+
+        rows = []
+        for cache in self.caches:
+            view = logical_kv_view(cache, AttnCacheSpec(self.block_size, HEADS, HEAD_DIM))
+            rows.append(view[:, block_ids].flatten(1, 2)[:, :num_tokens].clone())
+        return rows
+
+
+def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int = 40,
+                seed: int = 0, staged: bool = True, side_channel_port: int = 0,
+                caches: list[torch.Tensor] | None = None) -> Engine:
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    engine_id = f"{name}-{os.getpid()}-{time.monotonic_ns()}"
+    config = connector_config(kv_role, block_size, num_blocks, staged, engine_id)
+    vw.ensure_distributed(config)
+    try:  # vLLM 0.29+: the EngineCore resolves the KV layout once, before allocating
+        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    except ImportError:
+        pass
+    else:
+        resolve_kv_cache_layout(config, [["LBNHC", "LBHNC"]])
+    kv_cache_config = vw.kv_cache_config(LAYER_NAMES, num_blocks, block_size, HEADS, HEAD_DIM)
+    backend = vw.attention_backend("FLASH_ATTN")
+    if caches is None:
+        # FlashAttention's (2, blocks, block size, heads, head dim); from vLLM 0.30 the
+        # shape is resolved in the EngineCore, not by the backend class
+        shape = (2, num_blocks, block_size, HEADS, HEAD_DIM)
+        if vllm_release() >= (0, 29):  # blocks outermost (one NIXL region per block)
+            shape = (num_blocks, 2, block_size, HEADS, HEAD_DIM)
+        gen = torch.Generator().manual_seed(seed)
+        caches = [torch.randn(shape, generator=gen).to(torch.float16) for _ in LAYER_NAMES]
+    port = side_channel_port or _free_port()
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    affinity = os.sched_getaffinity(0)
+    try:
+        with set_current_vllm_config(config):
+            sched = AsyncScheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+                                   log_stats=True,
+                                   structured_output_manager=StructuredOutputManager(config),
+                                   block_size=block_size)
+            worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
+                                                         kv_cache_config)
+            worker.register_kv_caches(dict(zip(LAYER_NAMES, caches)))
+            handshake = worker.get_handshake_metadata()
+            if handshake is not None:  # what vLLM's EngineCore does after registration
+                setter = vllm_api.current().handshake_setter
+                key = (0, 0) if setter.endswith("pp_aware") else 0
+                getattr(sched.get_kv_connector(), setter)({key: handshake})
+    finally:
+        os.sched_setaffinity(0, affinity)
+    return Engine(name, sched, worker, caches, block_size, port)
+
+
+def cpu_vllm():
+    """vLLM on the CPU for the whole test: the attention backend a GPU would pick and
+    vLLM's CPU platform (the inner connector's handshake thread asks for it too)."""
+    return vw.backend_lookup(vw.attention_backend("FLASH_ATTN"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prefill_request(req_id: str, prompt: list[int]):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    req = Request(request_id=req_id, prompt_token_ids=list(prompt),
+                  sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
+                  pooling_params=None)
+    req.kv_transfer_params = {"do_remote_decode": True, "do_remote_prefill": False}
+    return req
+
+
+def decode_request(req_id: str, prompt: list[int], params: dict, max_tokens: int = 3):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    req = Request(request_id=req_id, prompt_token_ids=list(prompt),
+                  sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                  pooling_params=None)
+    req.kv_transfer_params = dict(params)
+    return req
+
+
+def run(engines: list[Engine], until, timeout_s: float = 30.0) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for engine in engines:
+            engine.step()
+        if until():
+            return True
+        time.sleep(0.002)
+    return False
