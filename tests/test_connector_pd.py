@@ -55,3 +55,92 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def assert_same_kv(p, d, p_blocks, d_blocks, n):
+    for layer, (a, b) in enumerate(zip(p.tokens(p_blocks, n), d.tokens(d_blocks, n))):
+        assert torch_equal(a, b), f"layer {layer} differs"
+
+
+def settle(p, d):
+    """Both sides hold nothing any more: requests, extents, staging bytes."""
+    return pd.run([p, d], lambda: not p.sched.requests and not d.sched.requests
+                  and staging_used(p) == 0 and staging_used(d) == 0)
+
+
+def staging_used(engine) -> int:
+    conn, worker = engine.connector, engine.worker
+    used = 0
+    if conn._prefill is not None:
+        used += conn._prefill.allocator.used_bytes
+    if worker._region is not None:
+        used += worker._region.buffer.allocator.used_bytes
+    return used
+
+
+def test_full_staging_on_both_sides_waits_instead_of_taking_the_direct_path(
+        staged_env, monkeypatch):
+    # 4 MiB of staging per role holds one 1500-token request (1536 B/token), not two
+    monkeypatch.setenv("KVCACHED_PD_STAGING_MB", "4")
+    p = pd.make_engine("p", "kv_producer", seed=5, num_blocks=300)
+    d = pd.make_engine("d", "kv_consumer", seed=6, num_blocks=300)
+    prompts = {f"f{i}": [i + 1] * 1500 for i in range(3)}
+    for req_id, prompt in prompts.items():
+        p.sched.add_request(pd.prefill_request(req_id, prompt))
+    p_blocks, d_blocks = {}, {}
+    waits_p = []
+
+    def forward():
+        for req_id in prompts:
+            o = p.outputs.get(req_id)
+            if o is not None and "d-" + req_id not in d.sched.requests and req_id not in p_blocks:
+                params = o.kv_transfer_params
+                assert PARAMS_KEY in params, "P sent a request without staging"
+                ids = params["remote_block_ids"]
+                p_blocks[req_id] = list(ids[0] if isinstance(ids[0], list) else ids)
+                d.sched.add_request(pd.decode_request("d-" + req_id, prompts[req_id], params))
+            r = d.sched.requests.get("d-" + req_id)
+            if r is not None and r.num_computed_tokens >= 1499 and req_id not in d_blocks:
+                d_blocks[req_id] = d.blocks_of("d-" + req_id)
+        waits_p.extend(p.connector._prefill.samples.get("waits", []))
+        return len(d_blocks) == len(prompts) and all(
+            "d-" + r in d.outputs and d.outputs["d-" + r].finished for r in prompts)
+
+    assert pd.run([p, d], forward, timeout_s=60)
+    for req_id in prompts:
+        assert_same_kv(p, d, p_blocks[req_id], d_blocks[req_id], 1500)
+    assert not d.connector._decode.refused_peers
+    assert settle(p, d)
+
+
+def test_decode_aborts_before_scheduling_and_mid_read_free_both_sides(staged_env):
+    from vllm.v1.request import RequestStatus
+
+    p = pd.make_engine("p", "kv_producer", seed=7)
+    d = pd.make_engine("d", "kv_consumer", seed=8)
+    params = {}
+    for req_id in ("early", "mid", "late"):
+        p.sched.add_request(pd.prefill_request(req_id, list(range(5, 50))))
+    assert pd.run([p], lambda: all(r in p.outputs for r in ("early", "mid", "late")))
+    for req_id in ("early", "mid", "late"):
+        params[req_id] = p.outputs[req_id].kv_transfer_params
+        d.sched.add_request(pd.decode_request("d-" + req_id, list(range(5, 50)),
+                                              params[req_id]))
+    d.sched.finish_requests(["d-early"], RequestStatus.FINISHED_ABORTED)  # never scheduled
+    d.step()  # schedules mid and late: their READs are posted
+    assert d.worker._decode_worker.inflight or d.worker._decode_worker.queued or \
+        d.sched.requests["d-mid"].status != RequestStatus.WAITING_FOR_REMOTE_KVS
+    d.sched.finish_requests(["d-mid"], RequestStatus.FINISHED_ABORTED)
+    assert pd.run([p, d], lambda: "d-late" in d.outputs and d.outputs["d-late"].finished)
+    assert settle(p, d), "an abort left blocks or staging behind"
+
+
+def test_prefill_abort_before_its_prompt_completes_frees_the_extent(staged_env):
+    from vllm.v1.request import RequestStatus
+
+    p = pd.make_engine("p", "kv_producer", seed=9)
+    p.sched.add_request(pd.prefill_request("gone", list(range(7, 90))))
+    p.sched.add_request(pd.prefill_request("kept", list(range(7, 40))))
+    p.sched.finish_requests(["gone"], RequestStatus.FINISHED_ABORTED)
+    assert pd.run([p], lambda: "kept" in p.outputs)
+    assert "gone" not in p.connector._prefill.staged

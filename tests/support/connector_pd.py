@@ -129,6 +129,7 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
     engine_id = f"{name}-{os.getpid()}-{time.monotonic_ns()}"
     config = connector_config(kv_role, block_size, num_blocks, staged, engine_id)
     vw.ensure_distributed(config)
+    vw.forget_resolved_layout()
     try:  # vLLM 0.29+: the EngineCore resolves the KV layout once, before allocating
         from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     except ImportError:
@@ -138,11 +139,12 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
     kv_cache_config = vw.kv_cache_config(LAYER_NAMES, num_blocks, block_size, HEADS, HEAD_DIM)
     backend = vw.attention_backend("FLASH_ATTN")
     if caches is None:
-        # FlashAttention's (2, blocks, block size, heads, head dim); from vLLM 0.30 the
-        # shape is resolved in the EngineCore, not by the backend class
-        shape = (2, num_blocks, block_size, HEADS, HEAD_DIM)
-        if vllm_release() >= (0, 29):  # blocks outermost (one NIXL region per block)
-            shape = (num_blocks, 2, block_size, HEADS, HEAD_DIM)
+        # blocks outermost, (blocks, 2, block size, heads, head dim): a layout every
+        # release's NIXL registration accepts whatever it resolved before (vLLM keeps
+        # layout decisions per process, and a test process builds many instances)
+        shape = (num_blocks, 2, block_size, HEADS, HEAD_DIM)
+        if vllm_release() < (0, 24):  # NIXL there splits FlashAttention's K and V
+            shape = (2, num_blocks, block_size, HEADS, HEAD_DIM)
         gen = torch.Generator().manual_seed(seed)
         caches = [torch.randn(shape, generator=gen).to(torch.float16) for _ in LAYER_NAMES]
     port = side_channel_port or _free_port()
