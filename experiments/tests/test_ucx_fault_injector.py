@@ -48,14 +48,16 @@ def nixl_available() -> None:
         pytest.skip(f"this Python has no NIXL/torch: {res.stderr.strip()[-200:]}")
 
 
-def _reads(preload: str | None, reads: int, descs: int = 1, **env_extra: str):
+def _reads(preload: str | None, reads: int, descs: int = 1, threads: int = 0,
+           **env_extra: str):
     env = {k: v for k, v in os.environ.items()
            if k != "LD_PRELOAD" and not k.startswith(("UCX_FAULT_", "KVPD_UCX_FAULT_",
                                                       "NIXL_UCX_DEEPBIND"))}
     if preload:
         env["LD_PRELOAD"] = preload
     env.update(env_extra)
-    res = subprocess.run([sys.executable, READS, "--reads", str(reads), "--descs", str(descs)],
+    res = subprocess.run([sys.executable, READS, "--reads", str(reads), "--descs", str(descs),
+                          "--num-threads", str(threads)],
                          capture_output=True, text=True, env=env, timeout=180)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     result = json.loads(res.stdout.strip().splitlines()[-1])["reads"]
@@ -97,8 +99,9 @@ def test_the_harness_environment_fails_every_nth_transfer_of_many_descriptors(sh
                                                                                nixl_available):
     """pd_load.py's settings: the pattern names of vLLM's injector, hooks=flush. NIXL posts
     one get per descriptor and one flush per transfer, so counting flushes fails every
-    third transfer however many descriptors it has (gets would fail nearly each one)."""
-    result, stderr = _reads(shim, 7, descs=4, UCX_FAULT_ENABLED="1",
+    third transfer however many descriptors it has (gets would fail nearly each one);
+    with 4 UCX threads, as vLLM's NIXL connector configures the agent."""
+    result, stderr = _reads(shim, 7, descs=4, threads=4, UCX_FAULT_ENABLED="1",
                             UCX_FAULT_STRATEGY="pattern", UCX_FAULT_PATTERN="OOX",
                             UCX_FAULT_HOOKS="flush", UCX_FAULT_ERROR_CODES="-6")
     assert _failed(result) == [3, 6], result

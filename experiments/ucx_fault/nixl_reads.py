@@ -22,10 +22,11 @@ import time
 import torch
 
 
-def run(reads: int, chunk_bytes: int, timeout_s: float, descs: int = 1) -> dict:
+def run(reads: int, chunk_bytes: int, timeout_s: float, descs: int = 1,
+        num_threads: int = 0) -> dict:
     from nixl._api import nixl_agent, nixl_agent_config
 
-    cfg = nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
+    cfg = nixl_agent_config(enable_prog_thread=True, backends=["UCX"], num_threads=num_threads)
     src_agent, dst_agent = nixl_agent("src", cfg), nixl_agent("dst", cfg)
     src = torch.empty((reads, chunk_bytes), dtype=torch.uint8)
     for i in range(reads):  # distinct, nonzero content per chunk
@@ -61,9 +62,12 @@ def main() -> None:
     ap.add_argument("--chunk-bytes", type=int, default=4096)
     ap.add_argument("--descs", type=int, default=1,
                     help="descriptors per READ (each chunk split in this many pieces)")
+    ap.add_argument("--num-threads", type=int, default=0,
+                    help="the UCX backend's threads (vLLM's NIXL connector sets 4)")
     ap.add_argument("--timeout-s", type=float, default=20.0, help="per READ")
     a = ap.parse_args()
-    print(json.dumps(run(a.reads, a.chunk_bytes, a.timeout_s, a.descs)), flush=True)
+    print(json.dumps(run(a.reads, a.chunk_bytes, a.timeout_s, a.descs, a.num_threads)),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,12 @@
  *                            when pattern[(i-1) % len] is X; O lets it pass
  *   UCX_FAULT_HOOKS=flush    the calls counted and failed: get, put, flush (or their
  *                            ucp_*_nbx names), all (the default, as there). NIXL's UCX
- *                            backend posts one get (READ) or put (WRITE) per descriptor
- *                            and then one ucp_ep_flush_nbx per transfer and UCX worker, so
- *                            "flush" fails every Nth NIXL transfer whatever its size, and
- *                            "get" every Nth descriptor (nearly every transfer of a
- *                            many-block request)
+ *                            backend posts one get (READ) or put (WRITE) per descriptor,
+ *                            then one ucp_ep_flush_nbx per transfer (NIXL 1.5.1, measured
+ *                            also with 4 UCX threads, as vLLM configures it), so "flush"
+ *                            fails every Nth NIXL transfer whatever its size, and "get"
+ *                            every Nth descriptor (nearly every transfer of a many-block
+ *                            request)
  *   UCX_FAULT_ERROR_CODES=-3 the ucs_status_t returned, cycled over the faults when
  *                            several; default -3 (UCS_ERR_IO_ERROR)
  *   UCX_FAULT_DEBUG=1        also log every counted call that passes (to see which UCX
