@@ -34,8 +34,9 @@ P, D and the proxy saw. A metric the instance does not export is "absent": never
 (the verdict is then UNPROVEN, not PASS).
 
 Fault options: --ucx-fault-lib (LD_PRELOAD'ed UCX fault injector, as vLLM's own
-tests/v1/kv_connector/nixl_integration/run_ucx_fault_injection_test.sh does: every
---ucx-fault-pattern'th UCX operation fails on --ucx-fault-on) and --kill prefill|decode
+tests/v1/kv_connector/nixl_integration/run_ucx_fault_injection_test.sh does: the UCX
+operations --ucx-fault-pattern or --ucx-fault-every N marks fail on --ucx-fault-on;
+"kvpd" is experiments/ucx_fault's own injector, built for the run) and --kill prefill|decode
 --kill-at-s T (SIGKILL of that instance's process tree during the last repeat; the
 survivor must keep serving and its staging return to 0 within --abort-timeout-s).
 
@@ -63,6 +64,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -92,6 +94,7 @@ LOAD_PRESETS = {"tiny": {"requests": 64, "concurrency": 16},
                 "kvbig": {"requests": 48, "concurrency": 8}}
 KVBIG_BYTES_PER_TOKEN = 128 * 1024  # at or above this, the kvbig defaults apply
 UCX_FAULT_COMMANDS = "/tmp/ucx-fault-commands"  # the injector's command file (file control)
+UCX_FAULT_BUILD = os.path.join(HERE, "ucx_fault", "build.sh")  # --ucx-fault-lib kvpd
 # The injector's own log lines ("UCX fault injector loaded", "[FAULT] INJECTED: ..."), not
 # ld.so's complaint about a library it could not preload (which names the file).
 _UCX_FAULT_LOADED = re.compile(r"UCX fault injector (loaded|initialization)")
@@ -146,6 +149,9 @@ class LoadHarness:
         self.aborts = AbortPlan(a.abort_every, a.abort_prefill_ms, a.abort_decode_ms) \
             if a.abort_every else None
         self.faulty = bool(a.ucx_fault_lib) or bool(a.kill)
+        if a.ucx_fault_lib == "kvpd":
+            a.ucx_fault_lib = build_fault_lib(os.path.join(self.out, "ucx_fault"))
+        self._fault_lines_seen: dict[tuple[str, str], int] = {}  # (mode, role) -> lines
         self.reference: dict[str, list[int]] = {}
         self.reference_ttft: dict[str, list[int]] = {}
         self.runs: dict[str, ModeRun] = {}
@@ -170,7 +176,10 @@ class LoadHarness:
             if a.trace and cfg.env.get("KVCACHED_PD") == "1":
                 extra["KVCACHED_PD_TRACE"] = "1"
             if a.ucx_fault_lib and a.ucx_fault_on in (role, "both"):
-                extra["LD_PRELOAD"] = a.ucx_fault_lib
+                # NIXL_UCX_DEEPBIND=0: with RTLD_DEEPBIND NIXL's UCX plugin would bind its
+                # own libucp before the preloaded injector, and nothing would be injected
+                extra.update(LD_PRELOAD=a.ucx_fault_lib, NIXL_UCX_DEEPBIND="0",
+                             UCX_FAULT_HOOKS=a.ucx_fault_hooks)
                 if a.ucx_fault_control == "env":
                     extra.update(UCX_FAULT_ENABLED="1", UCX_FAULT_STRATEGY="pattern",
                                  UCX_FAULT_PATTERN=a.ucx_fault_pattern)
@@ -376,25 +385,33 @@ class LoadHarness:
                 "aborted_requests": per_side(M.REQUEST_SUCCESS, finished_reason="abort")}
 
     def fault_evidence(self, run: ModeRun) -> dict:
-        """Did the injector load? From the instance logs (it logs to stderr)."""
+        """Did the injector load, and how many faults did it inject during this repeat?
+        From the instance logs: both injectors log a start line and one line per fault to
+        stderr. Faults are the lines new since the previous repeat's count (repeat 1's
+        include the warm-up's). A repeat that injected nothing proved nothing: absent."""
         roles = ["prefill", "decode"] if self.a.ucx_fault_on == "both" else [self.a.ucx_fault_on]
         loaded, injected = {}, {}
         for role in roles:
-            loaded[role] = injected[role] = 0
+            loaded[role] = total = 0
             try:
                 with open(run.instances[role].log_path, encoding="utf-8", errors="replace") as f:
                     for line in f:
                         loaded[role] += bool(_UCX_FAULT_LOADED.search(line))
-                        injected[role] += bool(_UCX_FAULT_INJECTED.search(line))
+                        total += bool(_UCX_FAULT_INJECTED.search(line))
             except OSError:
                 pass
-        ok = all(loaded.values())
+            key = (run.mode.name, role)
+            injected[role] = total - self._fault_lines_seen.get(key, 0)
+            self._fault_lines_seen[key] = total
+        ok = all(loaded.values()) and sum(injected.values()) > 0
+        why = "" if ok else (" (fault injection not confirmed)" if not all(loaded.values())
+                             else " (no fault injected in this repeat)")
         return {"status": PASS if ok else ABSENT, "loaded_lines": loaded,
-                "injected_lines": injected,
+                "faults_injected": injected,
                 "detail": "injector loaded on " + ", ".join(f"{r}: {'yes' if n else 'NO'}"
                                                             for r, n in loaded.items())
-                + "; fault lines logged: " + ", ".join(f"{r} {n}" for r, n in injected.items())
-                + ("" if ok else " (fault injection not confirmed)")}
+                + "; faults injected: " + ", ".join(f"{r} {n}" for r, n in injected.items())
+                + why}
 
     def _kill(self, run: ModeRun, proc: ManagedProcess) -> None:
         log(f"KILL   {proc.name}: SIGKILL to its process tree at +{self.a.kill_at_s:g}s")
@@ -583,6 +600,7 @@ class LoadHarness:
             "direct_fallbacks": {s: total("direct_fallbacks", s) for s in ("prefill", "decode")},
             "staging_waits": {s: total("staging_waits", s) for s in ("prefill", "decode")},
             "nixl_failed_transfers": total("nixl_failed_transfers"),
+            "ucx_faults_injected": _faults_injected(reps),
             "latency": latency_stats(pooled),
             "ttft_batch": run.ttft["latency"] if run.ttft else None,
             "kvcached_pd": evidence,
@@ -640,6 +658,16 @@ class LoadHarness:
                                 **{k: v for k, v in run.ttft["latency"].items() if k in cols}})
 
 
+def _faults_injected(reps: list[dict]) -> dict[str, int] | None:
+    """UCX faults the injector logged per role over the repeats (None: no injector)."""
+    out: dict[str, int] = {}
+    for rep in reps:
+        for role, n in rep["checks"].get("fault_injected", {}).get("faults_injected",
+                                                                   {}).items():
+            out[role] = out.get(role, 0) + n
+    return out or None
+
+
 def _ratios(res: dict, van: dict) -> dict:
     out = {}
     for group, key in (("latency", "e2e_p50_ms"), ("latency", "e2e_p90_ms"),
@@ -682,6 +710,12 @@ def render_summary(doc: dict) -> str:
                      f"{staging:>8} {pair(r['direct_fallbacks']):>10} "
                      f"{pair(r['staging_waits']):>9} {_f(r['nixl_failed_transfers'], 0):>5}  "
                      f"{checks}")
+    faults = {n: r["ucx_faults_injected"] for n, r in doc["modes"].items()
+              if r.get("ucx_faults_injected")}
+    if faults:
+        lines += ["", "UCX faults injected (the injector's lines in the instance logs): "
+                  + "; ".join(f"{n}: " + ", ".join(f"{role} {k}" for role, k in f.items())
+                              for n, f in faults.items())]
     lines += ["", "Latency over completed requests, ms (p50 / p90), and p50 ratio to vanilla PD:"]
     hdr = (f"{'mode':<14} {'n':>5} {'end-to-end':>15} {'TTFT':>15} {'P leg':>15} {'D leg':>15} "
            f"{'e2e x':>6} {'e2e90 x':>7} {'TTFT x':>6} {'P x':>5} {'D x':>5}")
@@ -721,6 +755,16 @@ def render_summary(doc: dict) -> str:
 # --------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------
+
+
+def build_fault_lib(out_dir: str) -> str:
+    """experiments/ucx_fault's injector for this run: compiled into out_dir where a C
+    compiler is found, else its prebuilt copy (build.sh decides and says which)."""
+    res = subprocess.run(["bash", UCX_FAULT_BUILD, out_dir], capture_output=True, text=True)
+    if res.returncode != 0 or not res.stdout.strip():
+        raise SystemExit(f"--ucx-fault-lib kvpd: build.sh failed: {res.stderr.strip()}")
+    log(f"UCX fault injector: {res.stderr.strip()}")
+    return res.stdout.strip().splitlines()[-1]
 
 
 def kv_bytes_per_token(model: str) -> int | None:
@@ -764,9 +808,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="also N concurrent --ttft-prompt-tokens prompts per mode (0: off)")
     ap.add_argument("--ttft-prompt-tokens", type=int, default=3000)
     ap.add_argument("--ucx-fault-lib", default=None,
-                    help="LD_PRELOAD this UCX fault injector (libucx_fault_injector.so)")
+                    help="LD_PRELOAD this UCX fault injector (libucx_fault_injector.so), or "
+                         "'kvpd': experiments/ucx_fault's own, built for the run (or its "
+                         "prebuilt copy where no C compiler is found)")
     ap.add_argument("--ucx-fault-pattern", default="OOOOOOOOOOOOOOOX",
                     help="X fails that UCX operation, O lets it pass (vLLM's test: every 16th)")
+    ap.add_argument("--ucx-fault-every", type=int, default=None,
+                    help="N: fail every Nth operation (sets --ucx-fault-pattern)")
+    ap.add_argument("--ucx-fault-hooks", default="flush",
+                    help="UCX_FAULT_HOOKS, the UCX calls counted and failed: get, put, flush, "
+                         "all. NIXL posts one get/put per descriptor and one flush per "
+                         "transfer, so flush fails every Nth KV transfer; get would fail "
+                         "nearly every one of a many-block request")
     ap.add_argument("--ucx-fault-on", choices=("decode", "prefill", "both"), default="decode")
     ap.add_argument("--ucx-fault-control", choices=("env", "file"), default="env",
                     help="env: UCX_FAULT_ENABLED/STRATEGY/PATTERN at start; file: commands "
@@ -836,7 +889,14 @@ def validate(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         ap.error("--abort-prefill-ms/--abort-decode-ms need --abort-every K")
     if (a.kill is None) != (a.kill_at_s is None):
         ap.error("--kill and --kill-at-s go together")
-    if a.ucx_fault_lib and not os.path.isfile(a.ucx_fault_lib):
+    if a.ucx_fault_every is not None:
+        if a.ucx_fault_every < 1:
+            ap.error("--ucx-fault-every must be >= 1")
+        a.ucx_fault_pattern = "O" * (a.ucx_fault_every - 1) + "X"
+    if a.ucx_fault_lib == "kvpd" and a.ucx_fault_control != "env":
+        ap.error("--ucx-fault-lib kvpd reads its settings from the environment only "
+                 "(--ucx-fault-control env)")
+    if a.ucx_fault_lib and a.ucx_fault_lib != "kvpd" and not os.path.isfile(a.ucx_fault_lib):
         ap.error(f"--ucx-fault-lib {a.ucx_fault_lib}: no such file")
     if a.ucx_fault_lib and (not set(a.ucx_fault_pattern) <= {"X", "O"}
                             or "X" not in a.ucx_fault_pattern):

@@ -12,11 +12,15 @@
 #   PART c: equivalence (reference, staged split and contiguous, push contiguous, the
 #           negative control) and the single-request benchmark at 94 MiB (vanilla, staged
 #           split, staged contiguous).
+#   PART d: UCX faults (tiny, 2 repeats): experiments/ucx_fault's injector, built on the
+#           host (or its prebuilt copy), preloaded into P and D, fails every 8th NIXL
+#           transfer (D's READs in pull modes, P's WRITEs in push); D must stay alive and
+#           every completed output equal the reference.
 # Each part leaves in OUT: PART-RUN.tar.gz per run (its tree, logs included), each run's
 # summary as RUN-summary.txt, commit.txt (<= 8 files, as the host hands back).
 set -uo pipefail
-OUT=${1:?usage: run_traffic_on_host.sh OUT a|b|c}
-PART=${2:?usage: run_traffic_on_host.sh OUT a|b|c}
+OUT=${1:?usage: run_traffic_on_host.sh OUT a|b|c|d}
+PART=${2:?usage: run_traffic_on_host.sh OUT a|b|c|d}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -57,6 +61,11 @@ c)
     --sizes 94 --ttft-batch 0 --modes vanilla,kvcached-pd-staged,staged-contiguous \
     --deadline-s $(( $(left 560) - 15 ))
   echo "rc bench=$?"
+  ;;
+d)
+  TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/ucxfault" \
+    --model /tmp/tiny --repeats 2 --ucx-fault-lib kvpd --ucx-fault-on both --ucx-fault-every 8
+  echo "rc ucxfault=$?"
   ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

@@ -9,7 +9,9 @@
 #   e.g. the issue's abort case, 5 times:  traffic.sh OUT --issue-aborts --repeats 5
 #        TTFT batch on kvbig:              traffic.sh OUT --model /tmp/kvbig --ttft-batch 8
 #        peer killed:                      traffic.sh OUT --kill decode --kill-at-s 1
-#        UCX faults on D:                  traffic.sh OUT --ucx-fault-lib /path/libucx_fault_injector.so
+#        UCX faults on D:                  traffic.sh OUT --ucx-fault-lib kvpd --ucx-fault-every 8
+#          (kvpd: experiments/ucx_fault's injector, built here or prebuilt; or a path to
+#          vLLM's libucx_fault_injector.so)
 #   WORK (TRAFFIC_WORK, default /tmp/kvpd-load/<time>) gets the full tree:
 #     load/  summary.txt, summary.json, latency.csv, modes/*.json, logs/, environment.json
 #     traffic.log  everything printed

@@ -281,16 +281,42 @@ def test_ucx_fault_injection_keeps_decode_alive_and_outputs_identical(tmp_path):
     lib = tmp_path / "fake_ucx_fault.so"
     lib.write_bytes(b"")  # ld.so ignores it; the fake emulates the injector
     res, summary, out = _run_load(tmp_path, "--modes", "kvpd-staged", "--ucx-fault-lib",
-                                  str(lib), "--ucx-fault-pattern", "OOOX",
-                                  "--abort-timeout-s", "1")
+                                  str(lib), "--ucx-fault-every", "4",
+                                  "--abort-timeout-s", "1", "--repeats", "2")
     assert res.returncode == 0, res.stdout + res.stderr
     staged = summary["modes"]["kvpd-staged"]
     assert staged["verdict"] == "PASS", staged["reasons"]
-    assert staged["failed"] == 18 // 4 and staged["nixl_failed_transfers"] == 18 // 4
+    # 36 fetches, every 4th failed: 4 in the first 18, 5 in the next
+    assert staged["failed"] == 9 and staged["nixl_failed_transfers"] == 9
     assert staged["checks"]["fault_injected"] == ["pass"]
+    assert staged["ucx_faults_injected"] == {"decode": 9}
+    reps = json.loads((out / "modes" / "kvpd-staged.json").read_text())["repeats"]
+    assert [r["checks"]["fault_injected"]["faults_injected"] for r in reps] == \
+        [{"decode": 4}, {"decode": 5}]  # per repeat, not the log's running total
+    assert "UCX faults injected (the injector's lines in the instance logs): " \
+        "kvpd-staged: decode 9" in (out / "summary.txt").read_text()
     log = (out / "logs" / "kvpd-staged-decode.log").read_text()
-    assert "# env: UCX_FAULT_PATTERN=OOOX" in log
+    assert "# env: UCX_FAULT_PATTERN=OOOX" in log  # --ucx-fault-every 4
+    assert "# env: UCX_FAULT_HOOKS=flush" in log and "# env: NIXL_UCX_DEEPBIND=0" in log
     assert "LD_PRELOAD" not in (out / "logs" / "kvpd-staged-prefill.log").read_text()
+
+
+def test_our_injector_is_built_and_preloaded_with_the_harness_settings(tmp_path):
+    """--ucx-fault-lib kvpd: experiments/ucx_fault's injector, built (or its prebuilt
+    copy), preloaded into D only, armed by the environment the harness sets. The fake
+    makes no UCX call, so nothing is injected: loaded but unproven."""
+    res, summary, out = _run_load(tmp_path, "--modes", "kvpd-staged", "--ucx-fault-lib",
+                                  "kvpd", "--ucx-fault-every", "5", "--abort-timeout-s", "1")
+    assert res.returncode == 2, res.stdout + res.stderr
+    staged = summary["modes"]["kvpd-staged"]
+    assert staged["checks"]["fault_injected"] == ["absent"]
+    assert any("no fault injected in this repeat" in r for r in staged["reasons"])
+    lib = summary["config"]["ucx_fault_lib"]
+    assert lib == str(out / "ucx_fault" / "libkvpd_ucx_fault.so") and os.path.isfile(lib)
+    decode_log = (out / "logs" / "kvpd-staged-decode.log").read_text()
+    assert "UCX fault injector loaded: 1 of every 5 calls fail (pattern OOOOX); hooks: " \
+        "flush; error -3" in decode_log
+    assert "ucx_fault_injector" not in (out / "logs" / "kvpd-staged-prefill.log").read_text()
 
 
 def test_fault_injection_that_never_loaded_is_unproven(tmp_path):
