@@ -54,9 +54,14 @@ class VllmApi:
 
 
 RELEASES: tuple[VllmApi, ...] = (
-    VllmApi(releases=">=0.20,<0.24", pull_names=("NixlConnector",), push_name=None,
+    VllmApi(releases=">=0.20,<0.23", pull_names=("NixlConnector",), push_name=None,
             lease="abort_timeout", handshake_setter="set_xfer_handshake_metadata",
             init_takes_kv_cache_config="optional"),
+    # 0.23.0 (checked; 0.21-0.22 not installed): the abort timeout is gone, P's lease
+    # is kv_lease_duration, the engine calls the pp-aware handshake setter
+    VllmApi(releases=">=0.23,<0.24", pull_names=("NixlConnector",), push_name=None,
+            lease="kv_lease", handshake_setter="set_xfer_handshake_metadata_pp_aware",
+            init_takes_kv_cache_config="required"),
     VllmApi(releases=">=0.24,<0.26", pull_names=("NixlConnector", "NixlPullConnector"),
             push_name="NixlPushConnector", lease="kv_lease",
             handshake_setter="set_xfer_handshake_metadata",

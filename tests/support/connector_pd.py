@@ -143,7 +143,7 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
         # release's NIXL registration accepts whatever it resolved before (vLLM keeps
         # layout decisions per process, and a test process builds many instances)
         shape = (num_blocks, 2, block_size, HEADS, HEAD_DIM)
-        if vllm_release() < (0, 24):  # NIXL there splits FlashAttention's K and V
+        if vllm_release() < (0, 23):  # NIXL there splits FlashAttention's K and V
             shape = (2, num_blocks, block_size, HEADS, HEAD_DIM)
         gen = torch.Generator().manual_seed(seed)
         caches = [torch.randn(shape, generator=gen).to(torch.float16) for _ in LAYER_NAMES]
