@@ -266,12 +266,28 @@ class KvcachedPDConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving = self._inner.get_finished(finished_req_ids)
-        if self._decode_worker is not None:
-            done, invalid = self._decode_worker.poll()
-            self._invalid_blocks |= invalid
-            if done:
-                recving = set(recving or ()) | done
+        done, _ = self._poll_staged_loads()
+        if done:
+            recving = set(recving or ()) | done
         return sending, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """vLLM 0.30+ asks for this instead of ``get_finished``: the inner connector's
+        results (its failed receives included) plus the staged loads that finished."""
+        results = self._inner.get_transfer_results(finished_req_ids)
+        done, failed = self._poll_staged_loads()
+        results.finished_recving |= done
+        results.failed_recving |= failed
+        return results
+
+    def _poll_staged_loads(self) -> tuple[set[str], set[str]]:
+        """Staged loads that finished since the last poll, and those of them that failed
+        (their blocks are reported by ``get_block_ids_with_load_errors``)."""
+        if self._decode_worker is None:
+            return set(), set()
+        done, failed, invalid = self._decode_worker.poll()
+        self._invalid_blocks |= invalid
+        return done, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_blocks = self._invalid_blocks, set()

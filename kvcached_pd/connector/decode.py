@@ -188,6 +188,7 @@ class DecodeWorker:
         self.inflight: dict[str, _Read] = {}
         self.cancelled: set[str] = set()
         self.finished: set[str] = set()
+        self.failed: set[str] = set()
         self.invalid_blocks: set[int] = set()
         self.releasing: list[tuple[Any, Extent]] = []
         self.samples: dict[str, list[float]] = {}
@@ -205,9 +206,9 @@ class DecodeWorker:
                 self.cancelled.add(req_id)
         self._post_queued()
 
-    def poll(self) -> tuple[set[str], set[int]]:
-        """Requests whose load finished (loaded, failed or cancelled) and the blocks
-        that failed to load since the last call."""
+    def poll(self) -> tuple[set[str], set[str], set[int]]:
+        """Requests whose load finished (loaded, failed or cancelled), those of them
+        that failed, and the blocks that failed to load, since the last call."""
         for req_id, read in list(self.inflight.items()):
             state = self.region.agent.state(read.handle)
             if state == "PROC":
@@ -221,14 +222,16 @@ class DecodeWorker:
                     logger.error("kvcached-pd: staged READ of request %s failed (NIXL state "
                                  "%s)", req_id, state)
                     self.invalid_blocks.update(read.order.block_ids)
+                    self.failed.add(req_id)
                 self.releasing.append((None, read.extent))
             self.cancelled.discard(req_id)
             self.finished.add(req_id)
         self._post_queued()
         self._reap()
         finished, self.finished = self.finished, set()
+        failed, self.failed = self.failed, set()
         invalid, self.invalid_blocks = self.invalid_blocks, set()
-        return finished, invalid
+        return finished, failed, invalid
 
     # ----------------------------------------------------------------- helpers
     def _peer(self, params: StagedParams) -> Future:
@@ -255,6 +258,7 @@ class DecodeWorker:
         logger.error("kvcached-pd: request %s: staged load failed: %s", req_id, reason)
         self.invalid_blocks.update(read.order.block_ids)
         self.finished.add(req_id)
+        self.failed.add(req_id)
         if read.extent is not None:
             self.releasing.append((None, read.extent))
 

@@ -85,8 +85,16 @@ class Engine:
             worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         worker.wait_for_save()
-        sending, recving = worker.get_finished(out.finished_req_ids)
+        extra = {}
+        if "failed_recving" in KVConnectorOutput.__dataclass_fields__:
+            # vLLM 0.30+: the model runner asks for get_transfer_results
+            results = worker.get_transfer_results(out.finished_req_ids)
+            sending, recving = results.finished_sending, results.finished_recving
+            extra["failed_recving"] = set(results.failed_recving)
+        else:
+            sending, recving = worker.get_finished(out.finished_req_ids)
         kv_out = KVConnectorOutput(
+            **extra,
             finished_sending=set(sending or ()), finished_recving=set(recving or ()),
             invalid_block_ids=worker.get_block_ids_with_load_errors(),
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
