@@ -47,7 +47,9 @@ def test_staged_handoff_moves_every_token_exactly(staged_env):
         assert torch_equal(a, b), f"layer {layer} differs"
     # P freed its extent once D's READ was done, and its blocks once D's inner
     # NixlConnector sent vLLM's notification
-    assert pd.run([p, d], lambda: not p.connector._prefill.staged)
+    # well inside P's 30 s lease, which would free it too
+    assert pd.run([p, d], lambda: not p.connector._prefill.staged, timeout_s=5)
+    assert ("r1", 0) in p.done_seen, "D's DONE never reached P's own NIXL agent"
     assert pd.run([p, d], lambda: not p.sched.requests), "P's blocks were never freed"
 
 
@@ -63,9 +65,10 @@ def assert_same_kv(p, d, p_blocks, d_blocks, n):
 
 
 def settle(p, d):
-    """Both sides hold nothing any more: requests, extents, staging bytes."""
+    """Both sides hold nothing any more: requests, extents, staging bytes; within 10 s,
+    well inside P's 30 s lease (which would free P's side without any notification)."""
     return pd.run([p, d], lambda: not p.sched.requests and not d.sched.requests
-                  and staging_used(p) == 0 and staging_used(d) == 0)
+                  and staging_used(p) == 0 and staging_used(d) == 0, timeout_s=10)
 
 
 def staging_used(engine) -> int:

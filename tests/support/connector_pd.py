@@ -67,6 +67,7 @@ class Engine:
     block_size: int
     port: int = 0  # this instance's VLLM_NIXL_SIDE_CHANNEL_PORT
     outputs: dict[str, Any] = field(default_factory=dict)  # req id -> EngineCoreOutput
+    done_seen: set = field(default_factory=set)  # P: (request id, D rank) DONEs received
 
     @property
     def connector(self):
@@ -97,7 +98,7 @@ class Engine:
             **extra,
             finished_sending=set(sending or ()), finished_recving=set(recving or ()),
             invalid_block_ids=worker.get_block_ids_with_load_errors(),
-            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+            kv_connector_worker_meta=self._report(worker.build_connector_worker_meta()),
             kv_connector_stats=worker.get_kv_connector_stats())
         worker.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
@@ -110,6 +111,10 @@ class Engine:
             for o in eco.outputs:
                 self.outputs[o.request_id] = o
         return out
+
+    def _report(self, report):
+        self.done_seen |= set(getattr(report, "done", ()) or ())
+        return report
 
     def blocks_of(self, req_id: str) -> list[int]:
         return list(self.sched.kv_cache_manager.get_block_ids(req_id)[0])
