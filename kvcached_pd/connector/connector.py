@@ -38,7 +38,7 @@ from kvcached_pd.connector.side_channel import HandshakeListener
 from kvcached_pd.connector.stats import merge_samples
 from kvcached_pd.connector.wire import format_hash
 from kvcached_pd.transport import sizing
-from kvcached_pd.transport.format import PackedFormat
+from kvcached_pd.transport.format import PackedFormat, format_of_kv_cache_config
 from kvcached_pd.transport.staging import ExtentAllocator
 
 logger = logging.getLogger("kvcached_pd")
@@ -51,18 +51,6 @@ class StagedHandshakeMetadata(KVConnectorHandshakeMetadata):
 
     inner: Any = None
     staged: bytes | None = None
-
-
-def packed_format(kv_cache_config: Any) -> tuple[PackedFormat | None, str]:
-    """This engine's packed format per TP rank, or None and the reason it has none."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) != 1:
-        return None, f"{len(groups)} KV-cache groups (the staged path serves one)"
-    spec = groups[0].kv_cache_spec
-    if type(spec).__name__ != "FullAttentionSpec":
-        return None, f"a {type(spec).__name__} cache (the staged path serves full attention)"
-    return PackedFormat.for_cache(len(groups[0].layer_names), spec.num_kv_heads,
-                                  spec.head_size, spec.dtype), ""
 
 
 def staged_reason(vllm_config: Any, kv_cache_config: Any,
@@ -80,7 +68,7 @@ def staged_reason(vllm_config: Any, kv_cache_config: Any,
         return None, "a host-buffered NIXL transfer (kv_buffer_device)"
     if kv_cache_config is None:
         return None, "vLLM gave the connector no KV-cache config"
-    return packed_format(kv_cache_config)
+    return format_of_kv_cache_config(kv_cache_config)
 
 
 class KvcachedPDConnector(KVConnectorBase_V1):

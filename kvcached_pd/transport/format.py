@@ -30,6 +30,7 @@ __all__ = [
     "PackedFormat",
     "PackedFormatMismatch",
     "dtype_name",
+    "format_of_kv_cache_config",
     "packed_extent_view",
 ]
 
@@ -140,6 +141,19 @@ class PackedFormat:
                 raise PackedFormatMismatch(
                     f"{label} differs: {mine} here, {theirs} at the peer{consequence}"
                 )
+
+
+def format_of_kv_cache_config(kv_cache_config: Any) -> tuple[PackedFormat | None, str]:
+    """The packed format of one TP rank of a vLLM ``KVCacheConfig``, or None and the
+    reason staging cannot serve it (one full-attention KV-cache group only)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) != 1:
+        return None, f"{len(groups)} KV-cache groups (the staged path serves one)"
+    spec = groups[0].kv_cache_spec
+    if type(spec).__name__ != "FullAttentionSpec":
+        return None, f"a {type(spec).__name__} cache (the staged path serves full attention)"
+    return PackedFormat.for_cache(len(groups[0].layer_names), spec.num_kv_heads,
+                                  spec.head_size, spec.dtype), ""
 
 
 def _check_slots(n_tok_slots: int) -> None:

@@ -48,7 +48,7 @@ import torch
 
 from kvcached_pd.registry import peer_direct_path_safe
 from kvcached_pd.transport import sizing
-from kvcached_pd.transport.format import PackedFormat
+from kvcached_pd.transport.format import PackedFormat, format_of_kv_cache_config
 from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
 from kvcached_pd.transport.pack import pack_request, unpack_request
 from kvcached_pd.transport.staging import Extent, ExtentAllocator, StagingBuffer
@@ -86,17 +86,9 @@ ALIGNMENT = sizing.ALIGNMENT
 
 
 def packed_format_for(kv_cache_config: Any, tp_size: int) -> PackedFormat | None:
-    """The canonical format of this engine's cache, or None if staging cannot serve it."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", [])
-    if len(groups) != 1:
-        return None
-    spec = groups[0].kv_cache_spec
-    heads, head_dim, dtype = (getattr(spec, a, None) for a in ("num_kv_heads", "head_size", "dtype"))
-    if None in (heads, head_dim, dtype) or type(spec).__name__ != "FullAttentionSpec":
-        return None
-    if tp_size != 1:
-        return None
-    return PackedFormat.for_cache(len(groups[0].layer_names), heads, head_dim, dtype)
+    """This engine's canonical format, or None if the hook path cannot serve it (TP=1)."""
+    fmt, _ = format_of_kv_cache_config(kv_cache_config)
+    return fmt if tp_size == 1 else None
 
 
 # ------------------------------------------------------------------------- scheduler
