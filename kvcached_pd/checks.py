@@ -36,7 +36,7 @@ def vllm_version_problems() -> list[str]:
     return []
 
 
-def kvcached_problems(env=None) -> list[str]:
+def kvcached_problems(env=None, connector: str | None = None) -> list[str]:
     env = os.environ if env is None else env
     problems = []
     if importlib.util.find_spec("kvcached") is None:
@@ -46,13 +46,13 @@ def kvcached_problems(env=None) -> list[str]:
             "ENABLE_KVCACHED."
         )
     if config.kvcached_contiguous_layout(env):
-        problem = contiguous_layout_problem(env)
+        problem = contiguous_layout_problem(env, connector)
         if problem:
             problems.append(problem)
     return problems
 
 
-def contiguous_layout_problem(env=None) -> str | None:
+def contiguous_layout_problem(env=None, connector: str | None = None) -> str | None:
     """Why kvcached's contiguous layout cannot serve this instance, or None if it can.
 
     Its compound pages put every layer's block ``b`` side by side, so one layer's
@@ -60,29 +60,21 @@ def contiguous_layout_problem(env=None) -> str | None:
     (``base + b * block_len``) would address other layers' bytes. The staged transport
     reads and writes kvcached memory only locally, through strided views, so it serves
     that layout (and its page mapping is ~4x faster: 81-90 ms against 361-365 ms TTFT
-    for 8 x 3000-token prompts, measured); the direct path never does. Staged must be
-    chosen and this vLLM must be one the staged transport hooks.
+    for 8 x 3000-token prompts, measured); the direct path never does. The staged
+    transport must be chosen and must serve this vLLM and ``connector``.
     """
-    from kvcached_pd.patches.staged_transport import StagedTransportPatch
-
     variable = config.KVCACHED_CONTIGUOUS_LAYOUT
     layout = (f"{variable} is true (kvcached's default): its pages interleave every "
               "layer's blocks, which vLLM's per-block NIXL descriptors cannot address")
-    transport = config.read_settings(frozenset(), env).transport
-    if transport != "staged":
-        return (f"{layout}, and {config.KVCACHED_PD_TRANSPORT}={transport} moves KV by "
+    settings = config.read_settings(frozenset(), env)
+    if settings.transport != "staged":
+        return (f"{layout}, and {config.KVCACHED_PD_TRANSPORT}={settings.transport} moves KV by "
                 f"those descriptors. Set {variable}=false or use the staged transport "
                 f"({config.KVCACHED_PD_TRANSPORT}=staged).")
-    staged_range = StagedTransportPatch.vllm_range
-    version = installed_version("vllm")
-    try:
-        served = version is not None and staged_range.contains(version)
-    except ValueError:
-        served = False
-    if not served:
-        return (f"{layout}, and the staged transport serves vLLM {staged_range} only "
-                f"(this is vLLM {version}), so the direct path would move it. "
-                f"Set {variable}=false.")
+    transport, why = serving_transport(settings, installed_version("vllm"), connector,
+                                       active=True)
+    if transport != "staged":
+        return f"{layout}, and the direct path would move it: {why}. Set {variable}=false."
     return None
 
 
@@ -111,36 +103,69 @@ def patch_set_problems(disabled: frozenset[str]) -> list[str]:
     ]
 
 
-def serving_transport(settings: config.Settings, vllm_version: str | None) -> tuple[str, str]:
-    """The data path that will actually move KV for this vLLM, and why.
+def serving_transport(settings: config.Settings, vllm_version: str | None,
+                      connector: str | None = None, active: bool | None = None
+                      ) -> tuple[str, str]:
+    """The data path that will actually move KV for this vLLM and ``kv_connector``
+    name (None: the operator has not said, as in the doctor), and why.
 
-    The staged transport's hooks exist for vLLM 0.24-0.28's code layout only
-    (``StagedTransportPatch.vllm_range``); elsewhere a requested ``staged`` means vLLM's
-    own per-block path.
+    Pull mode is kvcached-pd's connector's on every release of ``vllm_api.RELEASES``
+    (the routing patch builds it for vLLM's pull names); push mode
+    (``NixlPushConnector``) is staged by hooks into vLLM 0.24-0.28's push classes only.
+    Elsewhere a requested ``staged`` means vLLM's own per-block path.
     """
+    from kvcached_pd import vllm_api
+    from kvcached_pd.patches.connector_routing import ConnectorRoutingPatch
     from kvcached_pd.patches.staged_transport import StagedTransportPatch
 
-    if not settings.active:
+    if not (settings.active if active is None else active):
         return "vLLM's own", "kvcached-pd is off: nothing is patched"
     if settings.transport != "staged":
         return "direct", f"{config.KVCACHED_PD_TRANSPORT}={settings.transport}"
-    if StagedTransportPatch.name in settings.disabled_patches:
-        return "direct", f"{StagedTransportPatch.name} is disabled by {config.KVCACHED_PD_DISABLE}"
-    staged_range = StagedTransportPatch.vllm_range
-    if vllm_version is None or not staged_range.contains(vllm_version):
-        return "direct", (f"the staged transport serves vLLM {staged_range} only; "
+    try:
+        api = vllm_api.api_for(vllm_version) if vllm_version else None
+    except ValueError:
+        api = None
+    if api is None:
+        return "direct", (f"kvcached-pd's connector knows vLLM {vllm_api.SUPPORTED} only; "
                           f"vLLM here: {vllm_version or 'not installed'}")
-    return "staged", (f"vLLM {vllm_version} is in {staged_range}; a request that staging "
-                      "cannot serve (TP>1, several KV groups) takes the direct path and says so")
+    push_range = StagedTransportPatch.vllm_range
+    push_served = (push_range.contains(vllm_version)
+                   and StagedTransportPatch.name not in settings.disabled_patches)
+    routed = ConnectorRoutingPatch.name not in settings.disabled_patches
+    if connector is not None and connector == api.push_name:
+        if push_served:
+            return "staged", (f"push mode is staged by hooks into vLLM {push_range}'s push "
+                              f"classes; vLLM here: {vllm_version}")
+        return "direct", (f"{connector}: push mode is staged on vLLM {push_range} only (and "
+                          f"not with {StagedTransportPatch.name} disabled); vLLM here: "
+                          f"{vllm_version}; use NixlConnector (pull) for the staged path")
+    if connector is not None and connector not in api.pull_names + (
+            vllm_api.CONNECTOR_CLASS,):
+        return "vLLM's own", f"kv_connector {connector} is not a NIXL connector kvcached-pd serves"
+    if not routed:
+        if push_served:
+            return "staged", (f"{ConnectorRoutingPatch.name} is disabled by "
+                              f"{config.KVCACHED_PD_DISABLE}: the hooks into vLLM {push_range}'s "
+                              "NixlConnector stage it")
+        return "direct", (f"{ConnectorRoutingPatch.name} is disabled by "
+                          f"{config.KVCACHED_PD_DISABLE}")
+    push = (f"push ({api.push_name}) staged too" if push_served and api.push_name else
+            f"push ({api.push_name}) keeps vLLM's per-block path" if api.push_name else
+            "this vLLM has no push mode")
+    return "staged", (f"vLLM {vllm_version}: {', '.join(api.pull_names)} build kvcached-pd's "
+                      f"{vllm_api.CONNECTOR_CLASS} (pull); {push}; TP>1 and peers without "
+                      "kvcached-pd take vLLM's NixlConnector inside it, and it says so")
 
 
-def transport_problems(settings: config.Settings, vllm_version: str | None) -> list[str]:
+def transport_problems(settings: config.Settings, vllm_version: str | None,
+                       connector: str | None = None) -> list[str]:
     """``KVCACHED_PD_TRANSPORT=staged`` asked for by name must be what serves: an operator
     who asked for it would otherwise get vLLM's per-block path (0.5 GB/s with kvcached
     peers on the 2xH200 host) without a word."""
     if not (settings.active and settings.transport_explicit and settings.transport == "staged"):
         return []
-    transport, why = serving_transport(settings, vllm_version)
+    transport, why = serving_transport(settings, vllm_version, connector)
     if transport == "staged":
         return []
     return [f"{config.KVCACHED_PD_TRANSPORT}=staged was asked for but cannot serve: {why}. "
@@ -196,7 +221,8 @@ def device_free_bytes() -> int | None:
 
 
 def startup_problems(settings: config.Settings, *, nixl: bool = True, failed: dict | None = None,
-                     vllm_version: str | None = None, env=None) -> list[str]:
+                     vllm_version: str | None = None, env=None,
+                     connector: str | None = None) -> list[str]:
     """Everything that makes startup refuse a NIXL connector with these settings.
 
     The connector guard raises on these and ``kvcached-pd doctor`` exits 1 on the same
@@ -208,11 +234,12 @@ def startup_problems(settings: config.Settings, *, nixl: bool = True, failed: di
     problems: list[str] = list(settings.problems)
     if nixl and settings.kvcached_enabled:
         problems += vllm_version_problems()
-        problems += kvcached_problems(env)
+        problems += kvcached_problems(env, connector)
         problems += layout_problems(env)
     problems += patch_set_problems(settings.disabled_patches)
     if nixl:
-        problems += transport_problems(settings, vllm_version or installed_version("vllm"))
+        problems += transport_problems(settings, vllm_version or installed_version("vllm"),
+                                       connector)
     problems += [f"patch {n} failed to apply: {e}" for n, e in (failed or {}).items()]
     if problems and GUARD in settings.disabled_patches:
         problems.append(

@@ -69,5 +69,7 @@ def nixl_owners(classes: list[type], attr: str, base_most: bool = False) -> list
 
 
 def is_nixl_connector(connector_cls: type) -> bool:
-    """True for vLLM's NIXL connectors and subclasses of them."""
-    return any(is_nixl_class(k) for k in connector_cls.__mro__)
+    """True for vLLM's NIXL connectors, subclasses of them, and kvcached-pd's connector
+    (which composes vLLM's NixlConnector)."""
+    return (any(is_nixl_class(k) for k in connector_cls.__mro__)
+            or connector_cls.__module__.startswith("kvcached_pd.connector"))

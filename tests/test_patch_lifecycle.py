@@ -173,6 +173,14 @@ class TestStagedTransport(PatchLifecycle):
     patch_name = "staged_transport"
 
 
+class TestConnectorRouting(PatchLifecycle):
+    patch_name = "connector_routing"
+
+
+class TestConnectorMetrics(PatchLifecycle):
+    patch_name = "connector_metrics"
+
+
 class TestCorruptReceivedKV(PatchLifecycle):
     patch_name = "corrupt_received_kv"
 

@@ -51,8 +51,14 @@ def staged_env(kvcached_env):
 
 
 def staged_patches(env):
-    """kvcached (CPU stand-ins) with every patch the staged transport runs with."""
+    """kvcached (CPU stand-ins) with every patch the staged transport runs with.
+
+    These tests drive vLLM's NixlConnector workers directly through the staged hooks;
+    routing pull mode to kvcached-pd's connector is off (``KVCACHED_PD_DISABLE``), as an
+    operator who keeps the hook path on vLLM 0.24-0.28 would run. The connector has
+    its own tests (tests/test_connector_pd.py)."""
     env.setenv("KVCACHED_PD_TRANSPORT", "staged")
+    env.setenv("KVCACHED_PD_DISABLE", "connector_routing")
     env.setenv("KVCACHED_PD_STAGING_MB", "4")
     kvcached_cpu.install_stand_ins()
     for name in PATCHES:

@@ -1,4 +1,4 @@
-"""kvcached-pd's transport series travel in vLLM's own NIXL stats and reach its
+"""kvcached-pd's transport series (connector_metrics patch, every vLLM release) travel in vLLM's own NIXL stats and reach its
 Prometheus metrics (the real ``NixlKVConnectorStats`` / ``NixlPromMetrics``)."""
 
 from __future__ import annotations
@@ -7,10 +7,6 @@ import functools
 
 import pytest
 
-from tests.conftest import vllm_release
-
-pytestmark = pytest.mark.skipif(not (0, 24) <= vllm_release() < (0, 29),
-                                reason="staged transport hooks target vLLM 0.24-0.28")
 
 
 @pytest.fixture
@@ -18,7 +14,7 @@ def staged(kvcached_env):
     from kvcached_pd.patches import get_patch
 
     kvcached_env.setenv("KVCACHED_PD_TRANSPORT", "staged")
-    patch = get_patch("staged_transport")
+    patch = get_patch("connector_metrics")
     patch.patch()
     yield
     patch.unpatch()
@@ -39,6 +35,7 @@ def test_series_survive_aggregation_and_reach_prometheus(staged):
     worker_a.data[STAT_PACK].append(0.002)  # a prefill worker that only packed
     assert not worker_a.is_empty()  # ... is still reported
     worker_b.data[STAT_HANDOFF].extend([0.004, 0.006])
+    worker_b.data["kvcached_pd_read_duration"].append(0.0005)
     worker_b.data[STAT_FALLBACKS].append(1)
     worker_b.data[STAT_D_STAGING].extend([4096, 12288, 0])  # sampled on every change
     scheduler = NixlKVConnectorStats()  # P's scheduler samples its own range
@@ -61,6 +58,7 @@ def test_series_survive_aggregation_and_reach_prometheus(staged):
     value = registry.get_sample_value
     assert value("vllm:kvcached_pd_pack_seconds_count", {"engine": "0"}) == 1
     assert value("vllm:kvcached_pd_handoff_seconds_sum", {"engine": "0"}) == pytest.approx(0.010)
+    assert value("vllm:kvcached_pd_read_seconds_count", {"engine": "0"}) == 1
     assert value("vllm:kvcached_pd_direct_fallbacks_total", {"engine": "0"}) == 1
     assert value("vllm:kvcached_pd_staging_waits_total", {"engine": "0"}) == 2
     # occupancy is a gauge holding the latest sample, not a histogram of samples

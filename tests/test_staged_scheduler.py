@@ -41,6 +41,7 @@ def scheduler(kvcached_env, request):
 
     kvcached_env.setenv("KVCACHED_PD_TRANSPORT", "staged")
     kvcached_env.setenv("KVCACHED_PD_STAGING_MB", "2")  # holds one 2048-token request
+    kvcached_env.setenv("KVCACHED_PD_DISABLE", "connector_routing")  # the hook path's tests
     patch = get_patch("staged_transport")
     patch.patch()
     model = vw.write_tiny_llama(tempfile.mkdtemp(), num_layers=2, num_kv_heads=2, head_dim=64)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from kvcached_pd.patches.base import Patch
 from kvcached_pd.patches.connector_guard import ConnectorGuardPatch
+from kvcached_pd.patches.connector_metrics import ConnectorMetricsPatch
+from kvcached_pd.patches.connector_routing import ConnectorRoutingPatch
 from kvcached_pd.patches.kvcached_alloc import KvcachedAllocPatch, KvcachedMrv2AllocPatch
 from kvcached_pd.patches.kvcached_coexistence import KvcachedCoexistencePatch
 from kvcached_pd.patches.nixl_layout import NixlLayoutPatch
@@ -20,12 +22,14 @@ from kvcached_pd.patches.staged_transport import StagedTransportPatch
 PATCHES: tuple[Patch, ...] = (
     KvcachedCoexistencePatch(),
     ConnectorGuardPatch(),
+    ConnectorRoutingPatch(),  # pull mode: vLLM's factory builds kvcached-pd's connector
     KvcachedAllocPatch(),
     KvcachedMrv2AllocPatch(),
     NixlLayoutPatch(),
     NixlRegistrationPatch(),
     PushPrefixAlignmentPatch(),  # before the staged hooks, which wrap the same method
-    StagedTransportPatch(),
+    StagedTransportPatch(),  # push mode on 0.24-0.28 (pull too when routing is disabled)
+    ConnectorMetricsPatch(),
 )
 
 PATCH_NAMES = frozenset(p.name for p in PATCHES)

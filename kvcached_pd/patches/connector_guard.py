@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from collections.abc import Callable
 
 from kvcached_pd import checks, vllm_nixl
 from kvcached_pd.errors import UnsupportedConfiguration
 from kvcached_pd.patches.base import Patch
+from kvcached_pd.versions import installed_version
+
+logger = logging.getLogger("kvcached_pd")
 
 ATTR = "create_connector"
 
@@ -47,14 +51,28 @@ class ConnectorGuardPatch(Patch):
         super().__init__()
         # Handed over by activation: the patches that failed to apply in this process.
         self.activation_failures: Callable[[], dict[str, str]] = dict
+        self._warned = False
 
-    def problems(self, role=None, kv_cache_config=None) -> list[str]:
+    def problems(self, role=None, kv_cache_config=None, connector: str | None = None) -> list[str]:
         settings = self.settings
-        problems = checks.startup_problems(settings, nixl=True, failed=self.activation_failures())
+        problems = checks.startup_problems(settings, nixl=True, failed=self.activation_failures(),
+                                           connector=connector)
         problems += checks.kv_cache_config_problems(settings, kv_cache_config)
         if _is_worker(role):
             problems += checks.staging_memory_problems(settings, checks.device_free_bytes())
         return problems
+
+    def warn_if_not_staged(self, connector: str | None) -> None:
+        """The staged transport was chosen (by default) but will not move this
+        connector's KV: say so once per process, at WARNING, with the reason."""
+        settings = self.settings
+        if not settings.active or settings.transport != "staged" or self._warned:
+            return
+        transport, why = checks.serving_transport(settings, installed_version("vllm"), connector)
+        if transport != "staged":
+            self._warned = True
+            logger.warning("kvcached-pd: the staged transport does not serve kv_connector %s "
+                           "here; KV moves by vLLM's per-block path (%s)", connector, why)
 
     def _make_guard(self, original: classmethod) -> classmethod:
         original_func = original.__func__
@@ -74,13 +92,15 @@ class ConnectorGuardPatch(Patch):
                     else "nixl" in name.lower()
                 )
                 kv_cache_config = args[0] if args else kwargs.get("kv_cache_config")
-                problems = guard.problems(role, kv_cache_config) if is_nixl else []
+                problems = guard.problems(role, kv_cache_config, name or None) if is_nixl else []
                 if problems:
                     raise UnsupportedConfiguration(
                         "kvcached-pd refuses to start NIXL:\n  - "
                         + "\n  - ".join(problems)
                         + "\nRun `kvcached-pd doctor` for the full picture."
                     )
+                if is_nixl:
+                    guard.warn_if_not_staged(name or None)
             return original_func(cls, config, role, *args, **kwargs)
 
         return classmethod(create_connector)

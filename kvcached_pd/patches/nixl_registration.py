@@ -241,8 +241,13 @@ def _watch_nixl_wrapper(worker: Any, plan: RegistrationPlan) -> Iterator[None]:
 
 
 def staged_refusal(worker: Any) -> str | None:
-    """Why the staged transport will not move this worker's KV, or None if it will."""
+    """Why the staged transport will not move this worker's KV, or None if it will.
+
+    Pull mode is kvcached-pd's connector's wherever the routing applies (this worker is
+    then its inner NixlConnector, which must never move KV itself); push mode is
+    staged by the hooks into vLLM 0.24-0.28's push classes."""
     from kvcached_pd.patches import get_patch
+    from kvcached_pd.patches.connector_routing import ConnectorRoutingPatch
     from kvcached_pd.patches.staged_transport import StagedTransportPatch
     from kvcached_pd.transport.staged import packed_format_for
 
@@ -250,9 +255,14 @@ def staged_refusal(worker: Any) -> str | None:
     if transport != "staged":
         return f"{config.KVCACHED_PD_TRANSPORT}={transport}"
     version = installed_version("vllm")
-    if version is None or not StagedTransportPatch.vllm_range.contains(version):
-        return f"the staged transport serves vLLM {StagedTransportPatch.vllm_range}, not {version}"
-    if not get_patch("staged_transport").is_patched():
+    push = "Push" in type(worker).__name__
+    if not push and get_patch(ConnectorRoutingPatch.name).is_patched():
+        pass  # kvcached-pd's connector stages pull mode on every release it knows
+    elif version is None or not StagedTransportPatch.vllm_range.contains(version):
+        return (f"the staged transport serves {'push' if push else 'pull'} mode on vLLM "
+                f"{StagedTransportPatch.vllm_range if push else 'with the connector_routing patch'}"
+                f", not here (vLLM {version})")
+    elif not get_patch("staged_transport").is_patched():
         return "the staged_transport patch is not applied (KVCACHED_PD_DISABLE?)"
     if packed_format_for(worker.kv_cache_config, int(getattr(worker, "world_size", 1))) is None:
         return "the staged transport needs TP=1 and one full-attention KV-cache group"

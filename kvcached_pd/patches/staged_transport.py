@@ -30,6 +30,16 @@ logger = logging.getLogger("kvcached_pd")
 
 STATE = "_kvcached_pd_staging"
 
+# True when the connector routing serves pull mode (kvcached_pd.connector): these hooks
+# then stage push mode only. They sit partly on classes that pull and push share, so
+# each one that creates staging state checks this and leaves a pull instance (the inner
+# NixlConnector of kvcached-pd's connector) to vLLM's code.
+_PUSH_ONLY = False
+
+
+def _is_push(obj: Any) -> bool:
+    return "Push" in type(obj).__name__
+
 
 def _settings():
     """The process's settings, parsed once (kvcached_pd.config.settings)."""
@@ -68,10 +78,13 @@ class StagedTransportPatch(Patch):
         return super().applies(vllm_version)
 
     def _apply(self) -> None:
+        global _PUSH_ONLY
+        from kvcached_pd.patches.connector_routing import routing_applies
+
+        _PUSH_ONLY = routing_applies(self.settings)[0]
         package = vllm_nixl.nixl_package()
         base_worker_mod = importlib.import_module(f"{vllm_nixl.NIXL_PACKAGE}.base_worker")
         base_sched_mod = importlib.import_module(f"{vllm_nixl.NIXL_PACKAGE}.base_scheduler")
-        stats_mod = importlib.import_module(f"{vllm_nixl.NIXL_PACKAGE}.stats")
         pull_worker_cls = package.NixlPullConnectorWorker
         pull_sched_cls = package.NixlPullConnectorScheduler
         push_worker_cls = getattr(package, "NixlPushConnectorWorker", None)
@@ -98,10 +111,6 @@ class StagedTransportPatch(Patch):
             (pull_worker_cls, "_handle_failed_transfer"): _worker_handle_failed_transfer,
             (connector_cls, "wait_for_save"): _connector_wait_for_save,
             (connector_cls, "get_kv_connector_stats"): _connector_get_kv_connector_stats,
-            (stats_mod.NixlKVConnectorStats, "reset"): _stats_reset,
-            (stats_mod.NixlKVConnectorStats, "is_empty"): _stats_is_empty,
-            (stats_mod.NixlPromMetrics, "__init__"): _prom_init,
-            (stats_mod.NixlPromMetrics, "observe"): _prom_observe,
         }
         if push_worker_cls is not None and push_sched_cls is not None:
             hooks.update({
@@ -118,6 +127,11 @@ class StagedTransportPatch(Patch):
             original = vars(owner)[attr]
             self._replace(owner, attr, _wrap(hook, original))
 
+    def _undo(self) -> None:
+        global _PUSH_ONLY
+        super()._undo()
+        _PUSH_ONLY = False
+
 
 def _wrap(hook, original):
     @functools.wraps(original)
@@ -133,6 +147,9 @@ def _sched_state(sched: Any):
     from kvcached_pd.transport.staged import SchedulerStaging
 
     state = vars(sched).get(STATE, False)
+    if state is False and _PUSH_ONLY and not _is_push(sched):
+        state = None  # pull mode is kvcached-pd's connector's
+        setattr(sched, STATE, state)
     if state is False:
         state = SchedulerStaging.create(sched, _settings().staging_mb)  # may raise: too small
         if state is None:
@@ -236,7 +253,9 @@ def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, sel
     )
     from kvcached_pd.transport.staging import StagingBuffer
 
-    push = "Push" in type(self).__name__  # the hook sits on the shared base class
+    push = _is_push(self)  # the hook sits on the shared base class
+    if _PUSH_ONLY and not push:
+        return original(self, kv_caches)  # pull mode is kvcached-pd's connector's
     if push and not all(hasattr(self, a) for a in _PUSH_WORKER_ATTRS):
         logger.warning("kvcached-pd: this vLLM's push worker lacks %s; push mode keeps "
                        "vLLM's data path", ", ".join(_PUSH_WORKER_ATTRS))
@@ -454,83 +473,3 @@ def _connector_get_kv_connector_stats(original, self):
     for key, values in samples.items():
         stats.data.setdefault(key, []).extend(values)
     return stats
-
-
-# ----------------------------------------------------------------------------- stats
-# vLLM's NIXL stats travel from the workers to the API server's Prometheus registry as
-# a dict of lists; kvcached-pd's series ride along under their own keys (every process
-# of the instance has this patch, so every stats object carries them).
-def _stats_reset(original, self):
-    from kvcached_pd.transport.staged import STAT_KEYS
-
-    result = original(self)
-    for key in STAT_KEYS:
-        self.data.setdefault(key, [])
-    return result
-
-
-def _stats_is_empty(original, self):
-    from kvcached_pd.transport.staged import STAT_KEYS
-
-    return original(self) and not any(self.data.get(k) for k in STAT_KEYS)
-
-
-_PROM_SERIES = (
-    # key, metric name, documentation, buckets (None: counter)
-    ("kvcached_pd_pack_duration", "vllm:kvcached_pd_pack_seconds",
-     "kvcached-pd: time to pack finished prefills into staging, per step", "time"),
-    ("kvcached_pd_handoff_duration", "vllm:kvcached_pd_handoff_seconds",
-     "kvcached-pd: decode side, staged READ posted to scatter enqueued", "time"),
-    ("kvcached_pd_unpack_duration", "vllm:kvcached_pd_unpack_seconds",
-     "kvcached-pd: decode side, scatter of an extent into KV blocks (device time)", "time"),
-    ("kvcached_pd_prefill_staging_bytes", "vllm:kvcached_pd_prefill_staging_bytes",
-     "kvcached-pd: bytes of the prefill staging range held by extents", "gauge"),
-    ("kvcached_pd_decode_staging_bytes", "vllm:kvcached_pd_decode_staging_bytes",
-     "kvcached-pd: bytes of the decode staging range held by extents", "gauge"),
-    ("kvcached_pd_direct_fallbacks", "vllm:kvcached_pd_direct_fallbacks",
-     "kvcached-pd: requests that took the direct path instead of staging", None),
-    ("kvcached_pd_staging_waits", "vllm:kvcached_pd_staging_waits",
-     "kvcached-pd: requests that waited for staging room (P: prefill held back; D: READ "
-     "or push registration held back)", None),
-)
-_TIME_BUCKETS = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
-_BYTE_BUCKETS = [2 ** (20 + i) for i in range(0, 16, 2)]  # 1 MiB .. 16 GiB
-
-
-def _prom_init(original, self, *args, **kwargs):
-    import inspect
-
-    stats_mod = importlib.import_module(f"{vllm_nixl.NIXL_PACKAGE}.stats")
-    result = original(self, *args, **kwargs)
-    bound = inspect.signature(original).bind(self, *args, **kwargs)
-    labelnames = bound.arguments["labelnames"]
-    self._kvcached_pd_metrics = {}
-    for key, name, doc, kind in _PROM_SERIES:
-        if kind is None:
-            metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-        elif kind == "gauge":
-            metric = self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
-                                     multiprocess_mode="mostrecent")
-        else:
-            buckets = _TIME_BUCKETS if kind == "time" else _BYTE_BUCKETS
-            metric = self._histogram_cls(name=name, documentation=doc, buckets=buckets,
-                                         labelnames=labelnames)
-        self._kvcached_pd_metrics[key] = (
-            kind, stats_mod.create_metric_per_engine(metric, self.per_engine_labelvalues))
-    return result
-
-
-def _prom_observe(original, self, transfer_stats_data, engine_idx=0):
-    result = original(self, transfer_stats_data, engine_idx)
-    for key, (kind, per_engine) in getattr(self, "_kvcached_pd_metrics", {}).items():
-        values = transfer_stats_data.get(key, ())
-        if kind == "gauge":
-            if values:  # samples are taken on every change: the last one is current
-                per_engine[engine_idx].set(values[-1])
-            continue
-        for value in values:
-            if kind is None:
-                per_engine[engine_idx].inc(value)
-            else:
-                per_engine[engine_idx].observe(value)
-    return result

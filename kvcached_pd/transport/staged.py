@@ -66,7 +66,7 @@ STAT_D_STAGING = "kvcached_pd_decode_staging_bytes"  # gauge: D's range in use, 
 STAT_FALLBACKS = "kvcached_pd_direct_fallbacks"  # requests that took the direct path
 STAT_WAITS = "kvcached_pd_staging_waits"  # requests that waited for staging room
 STAT_KEYS = (STAT_PACK, STAT_HANDOFF, STAT_UNPACK, STAT_P_STAGING, STAT_D_STAGING,
-             STAT_FALLBACKS, STAT_WAITS)
+             STAT_FALLBACKS, STAT_WAITS)  # the metrics patch (patches/connector_metrics.py)
 
 
 def record_stat(worker: Any, key: str, value: float) -> None:
