@@ -90,7 +90,9 @@ def test_full_staging_on_both_sides_waits_instead_of_taking_the_direct_path(
     prompts = {f"f{i}": [i + 1] * 1500 for i in range(3)}
     for req_id, prompt in prompts.items():
         p.sched.add_request(pd.prefill_request(req_id, prompt))
-    p_blocks, d_blocks = {}, {}
+    from vllm.v1.request import RequestStatus
+
+    p_blocks, d_blocks, d_kv = {}, {}, {}
     waits_p = []
 
     def forward():
@@ -103,15 +105,20 @@ def test_full_staging_on_both_sides_waits_instead_of_taking_the_direct_path(
                 p_blocks[req_id] = list(ids[0] if isinstance(ids[0], list) else ids)
                 d.sched.add_request(pd.decode_request("d-" + req_id, prompts[req_id], params))
             r = d.sched.requests.get("d-" + req_id)
-            if r is not None and r.num_computed_tokens >= 1499 and req_id not in d_blocks:
+            if (r is not None and r.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+                    and r.num_computed_tokens >= 1499 and req_id not in d_blocks):
+                # loaded (vLLM sets num_computed_tokens when it allocates, before the load);
+                # read now: once the request finishes, D reuses its blocks for the next
                 d_blocks[req_id] = d.blocks_of("d-" + req_id)
+                d_kv[req_id] = d.tokens(d_blocks[req_id], 1500)
         waits_p.extend(p.connector._prefill.samples.get("waits", []))
         return len(d_blocks) == len(prompts) and all(
             "d-" + r in d.outputs and d.outputs["d-" + r].finished for r in prompts)
 
     assert pd.run([p, d], forward, timeout_s=60)
-    for req_id in prompts:
-        assert_same_kv(p, d, p_blocks[req_id], d_blocks[req_id], 1500)
+    for req_id in prompts:  # P's caches are never written here: no forward runs
+        for layer, (a, b) in enumerate(zip(p.tokens(p_blocks[req_id], 1500), d_kv[req_id])):
+            assert torch_equal(a, b), f"{req_id}: layer {layer} differs"
     assert not d.connector._decode.refused_peers
     assert settle(p, d)
 

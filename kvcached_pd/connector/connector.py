@@ -39,6 +39,7 @@ from kvcached_pd.connector.stats import merge_samples
 from kvcached_pd.connector.wire import format_hash
 from kvcached_pd.transport import sizing
 from kvcached_pd.transport.format import PackedFormat, format_of_kv_cache_config
+from kvcached_pd.transport.pack import select_kernel
 from kvcached_pd.transport.staging import ExtentAllocator
 
 logger = logging.getLogger("kvcached_pd")
@@ -207,6 +208,7 @@ class KvcachedPDConnector(KVConnectorBase_V1):
         tp_rank = vllm_api.tp_rank()
         self._region = StagingRegion.create(kv_caches, self._kv_cache_config, self._fmt, plan,
                                             tp_rank, 1)
+        kernels = select_kernel(self._region.layers, self._fmt, self._settings.pack_kernel)
         if plan.prefill_bytes:
             self._prefill_worker = PrefillWorker(
                 self._region, sync_pack=getattr(self._vllm_config, "speculative_config",
@@ -217,9 +219,10 @@ class KvcachedPDConnector(KVConnectorBase_V1):
         logger.info(
             "kvcached-pd: staged transport ready: %d MiB staging (%s; prefill %d MiB, decode "
             "%d MiB, %s) registered with its own NIXL agent, packed format %s, %d layers x "
-            "%d-token kernel blocks", region.buffer.tensor.numel() >> 20,
+            "%d-token kernel blocks, pack/unpack kernels: %s", region.buffer.tensor.numel() >> 20,
             region.agent.memory_type, plan.prefill_bytes >> 20, plan.decode_bytes >> 20,
-            plan.rule, self._fmt.to_dict(), region.layers.num_layers, region.kernel_block_size)
+            plan.rule, self._fmt.to_dict(), region.layers.num_layers, region.kernel_block_size,
+            kernels)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)

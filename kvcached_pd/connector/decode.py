@@ -46,7 +46,7 @@ from kvcached_pd.connector.wire import (
 )
 from kvcached_pd.transport.pack import unpack_request
 from kvcached_pd.transport.staging import Extent
-from kvcached_pd.transport.trace import trace
+from kvcached_pd.transport.trace import ms_since, trace
 
 logger = logging.getLogger("kvcached_pd")
 
@@ -120,6 +120,9 @@ class DecodeScheduler:
             del self.pending[request.request_id]
             return False
         entry.blocks = blocks
+        trace("d_alloc", request.request_id, remote_req=entry.params.request_id,
+              tokens=int(num_external_tokens),
+              since_arrival_ms=ms_since(getattr(request, "arrival_time", None)))
         ids = list(blocks.get_block_ids()[0])
         first_block = entry.first_token // self.block_size
         last_block = math.ceil(entry.params.num_tokens / self.block_size)
@@ -140,6 +143,7 @@ class DecodeScheduler:
         the inner connector so that P is told and frees its blocks."""
         handed = []
         for req_id in req_ids or ():
+            trace("d_recv_reported", req_id)
             entry = self.pending.pop(req_id, None)
             if entry is not None and entry.blocks is not None:
                 handed.append((entry.request, entry.blocks))
@@ -190,7 +194,8 @@ class DecodeWorker:
         self.finished: set[str] = set()
         self.failed: set[str] = set()
         self.invalid_blocks: set[int] = set()
-        self.releasing: list[tuple[Any, Extent]] = []
+        # (start event, end event, extent): freed once the scatter has run on the device
+        self.releasing: list[tuple[Any, Any, Extent]] = []
         self.samples: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------- vLLM's hooks
@@ -214,6 +219,10 @@ class DecodeWorker:
             if state == "PROC":
                 continue
             del self.inflight[req_id]
+            if state == "DONE":
+                wire_s = self.region.agent.transfer_seconds(read.handle)
+                if wire_s is not None:
+                    self.samples.setdefault("read_duration", []).append(wire_s)
             self.region.agent.release(read.handle)
             if state == "DONE" and req_id not in self.cancelled:
                 self._unpack(req_id, read)
@@ -223,7 +232,7 @@ class DecodeWorker:
                                  "%s)", req_id, state)
                     self.invalid_blocks.update(read.order.block_ids)
                     self.failed.add(req_id)
-                self.releasing.append((None, read.extent))
+                self.releasing.append((None, None, read.extent))
             self.cancelled.discard(req_id)
             self.finished.add(req_id)
         self._post_queued()
@@ -260,7 +269,7 @@ class DecodeWorker:
         self.finished.add(req_id)
         self.failed.add(req_id)
         if read.extent is not None:
-            self.releasing.append((None, read.extent))
+            self.releasing.append((None, None, read.extent))
 
     def _post_queued(self) -> None:
         """Post queued READs in arrival order while there is room."""
@@ -303,7 +312,7 @@ class DecodeWorker:
             del self.queued[req_id]
             read.posted = time.perf_counter()
             self.inflight[req_id] = read
-            trace("read_posted", req_id, bytes=params.nbytes)
+            trace("read_posted", req_id, bytes=params.nbytes, remote_req=params.request_id)
 
     def _unpack(self, req_id: str, read: _Read) -> None:
         region = self.region
@@ -322,7 +331,7 @@ class DecodeWorker:
                            params.num_tokens, params.n_tok_slots, order.first_token)
         if end is not None:
             end.record(stream)
-        self.releasing.append((end, read.extent))
+        self.releasing.append((start, end, read.extent))
         handoff = time.perf_counter() - read.posted
         self.samples.setdefault("handoff_duration", []).append(handoff)
         trace("read_done", req_id, bytes=params.nbytes, handoff_ms=round(1e3 * handoff, 3))
@@ -330,14 +339,17 @@ class DecodeWorker:
     def _reap(self) -> None:
         """Free extents whose scatter has run on the device."""
         still, freed = [], False
-        for end, extent in self.releasing:
+        for start, end, extent in self.releasing:
             if extent is None:
                 continue
             if end is None or end.query():
+                if start is not None:
+                    self.samples.setdefault("unpack_duration", []).append(
+                        start.elapsed_time(end) / 1e3)
                 self.region.buffer.free(extent)
                 freed = True
             else:
-                still.append((end, extent))
+                still.append((start, end, extent))
         self.releasing = still
         if freed:
             self._usage_changed()

@@ -35,7 +35,9 @@ class StagingAgent:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = f"kvcached-pd-{uuid.uuid4()}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends)))
+        # Telemetry as vLLM's own agent has it: each READ's time on the wire is a metric.
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends),
+                                                             capture_telemetry=True))
         self.memory_type = "VRAM" if tensor.is_cuda else "DRAM"
         self.device_id = (tensor.device.index or 0) if tensor.is_cuda else 0
         self.base = int(tensor.data_ptr())
@@ -80,6 +82,13 @@ class StagingAgent:
             return self.agent.check_xfer_state(handle)
         except Exception:  # noqa: BLE001 - a broken transfer is a failed one
             return "ERR"
+
+    def transfer_seconds(self, handle: Any) -> float | None:
+        """A completed transfer's duration by NIXL's telemetry, None where it has none."""
+        try:
+            return float(self.agent.get_xfer_telemetry(handle).xferDuration) / 1e6
+        except Exception:  # noqa: BLE001 - telemetry is best effort
+            return None
 
     def release(self, handle: Any) -> None:
         try:

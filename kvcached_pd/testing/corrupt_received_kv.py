@@ -2,7 +2,8 @@
 
 With ``KVCACHED_PD_TEST_CORRUPT=1`` (and only then), each time the decode side's pull
 worker reports a request's KV as received, the first received block of every layer is
-negated in place. The equivalence harness runs a mode with this switch and must
+negated in place; on kvcached-pd's connector, every byte of a staged extent is
+inverted after its READ and before it is scattered into the KV blocks. The equivalence harness runs a mode with this switch and must
 report a difference; if it does not, the harness cannot tell a broken transfer from
 a good one and its other verdicts mean nothing.
 
@@ -65,6 +66,18 @@ def _make_hook(original):
     return get_finished
 
 
+def _make_unpack_hook(original):
+    @functools.wraps(original)
+    def _unpack(self, req_id, read):
+        view = self.region.region(read.extent.offset, read.order.params.nbytes)
+        view.bitwise_not_()
+        logger.warning("kvcached-pd TEST: inverted the %d bytes of request %s's staged extent "
+                       "(KVCACHED_PD_TEST_CORRUPT=1)", view.numel(), req_id)
+        return original(self, req_id, read)
+
+    return _unpack
+
+
 class CorruptReceivedKVPatch(Patch):
     name = "corrupt_received_kv"
     summary = "TEST ONLY (KVCACHED_PD_TEST_CORRUPT=1): negate the first received KV block"
@@ -79,3 +92,6 @@ class CorruptReceivedKVPatch(Patch):
             raise AttributeError("NixlConnectorWorker has no get_finished")
         for owner in owners:
             self._replace(owner, ATTR, _make_hook(vars(owner)[ATTR]))
+        from kvcached_pd.connector.decode import DecodeWorker
+
+        self._replace(DecodeWorker, "_unpack", _make_unpack_hook(vars(DecodeWorker)["_unpack"]))
