@@ -278,6 +278,13 @@ class Bench:
                 ("ext_hits", M.EXT_HITS, {}),
                 ("local_compute_tokens", M.PROMPT_BY_SOURCE, {"source": "local_compute"})):
             out[key] = metric_delta(before, after, name, **labels)
+        if staged and not out["nixl_transfers"]:
+            # kvcached-pd's connector READs with its own NIXL agent, whose telemetry is its
+            # own metric (vLLM's agent records the hook path's READs)
+            read_s = metric_delta(before, after, M.KVPD_READ_SUM)
+            reads = metric_delta(before, after, M.KVPD_READ_COUNT)
+            if reads:
+                out["nixl_xfer_s"], out["nixl_transfers"] = read_s, reads
         if not out["nixl_transfers"]:  # no NIXL telemetry for this request
             for key in ("nixl_xfer_s", "nixl_post_s", "nixl_bytes", "nixl_descriptors"):
                 out[key] = None

@@ -284,6 +284,8 @@ class M:
     KVPD_PACK_SUM = "vllm:kvcached_pd_pack_seconds_sum"  # P: device time of the pack
     KVPD_PACK_COUNT = "vllm:kvcached_pd_pack_seconds_count"
     KVPD_UNPACK_SUM = "vllm:kvcached_pd_unpack_seconds_sum"  # D: device time of the scatter
+    KVPD_READ_SUM = "vllm:kvcached_pd_read_seconds_sum"  # D: the connector's READ, NIXL telemetry
+    KVPD_READ_COUNT = "vllm:kvcached_pd_read_seconds_count"
     KVPD_UNPACK_COUNT = "vllm:kvcached_pd_unpack_seconds_count"
     KVPD_HANDOFF_SUM = "vllm:kvcached_pd_handoff_seconds_sum"  # D: READ posted -> scatter
     # staging occupancy gauges (bytes held now) and pressure counters, issue 10

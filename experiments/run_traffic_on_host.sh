@@ -16,11 +16,19 @@
 #           host (or its prebuilt copy), preloaded into P and D, fails every 8th NIXL
 #           transfer (D's READs in pull modes, P's WRITEs in push); D must stay alive and
 #           every completed output equal the reference.
+#   PART e: kvcached-pd's connector (pull routed to it): equivalence with D's prefix cache
+#           on (reference, vanilla, staged split and contiguous, mixed fleets both ways,
+#           staged push contiguous, P16/D32, the negative control).
+#   PART f: the single-request benchmark at 94 MiB (vanilla, connector, the old pull hooks
+#           on the same contiguous layout), then the issue's aborts x3 (tiny: vanilla,
+#           connector pull, staged push).
+#   PART g: UCX faults (every 8th transfer fails, both sides), D killed 1 s into a
+#           128-request load, the kvbig TTFT batch (8 x 3000 tokens) with one load run.
 # Each part leaves in OUT: PART-RUN.tar.gz per run (its tree, logs included), each run's
 # summary as RUN-summary.txt, commit.txt (<= 8 files, as the host hands back).
 set -uo pipefail
-OUT=${1:?usage: run_traffic_on_host.sh OUT a|b|c|d}
-PART=${2:?usage: run_traffic_on_host.sh OUT a|b|c|d}
+OUT=${1:?usage: run_traffic_on_host.sh OUT a|b|c|d|e|f|g}
+PART=${2:?usage: run_traffic_on_host.sh OUT a|b|c|d|e|f|g}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -66,6 +74,34 @@ d)
   TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/ucxfault" \
     --model /tmp/tiny --repeats 2 --ucx-fault-lib kvpd --ucx-fault-on both --ucx-fault-every 8
   echo "rc ucxfault=$?"
+  ;;
+e)
+  timeout $(( $(left 560) - 10 )) bash "$HERE/equivalence.sh" "$W/eq" reference vanilla \
+    kvcached-pd-staged staged-contiguous mixed-p mixed-d push-contiguous blocksize negative \
+    --model /tmp/tiny --parallel 5 --deadline-s $(( $(left 560) - 30 )) \
+    --extra-serve-args=--enable-prefix-caching
+  echo "rc equivalence=$?"
+  ;;
+f)
+  python3 "$HERE/bench_transfer.py" --out "$W/bench" --model /tmp/tiny --max-model-len 4096 \
+    --sizes 94 --ttft-batch 0 --modes vanilla,staged-contiguous,staged-hooks-contiguous \
+    --deadline-s $(( $(left 560) * 2 / 5 ))
+  echo "rc bench=$?"
+  TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/aborts" \
+    --model /tmp/tiny --issue-aborts --repeats 3
+  echo "rc aborts=$?"
+  ;;
+g)
+  TRAFFIC_BUDGET_S=$(( $(left 560) * 2 / 5 )) bash "$HERE/traffic.sh" "$W/ucxfault" \
+    --model /tmp/tiny --repeats 1 --ucx-fault-lib kvpd --ucx-fault-on both --ucx-fault-every 8
+  echo "rc ucxfault=$?"
+  TRAFFIC_BUDGET_S=$(( $(left 560) / 3 )) bash "$HERE/traffic.sh" "$W/kill" \
+    --model /tmp/tiny --modes kvpd-staged --requests 128 --kill decode --kill-at-s 1
+  echo "rc kill=$?"
+  TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/kvbig" \
+    --model /tmp/kvbig --modes vanilla,kvpd-staged --repeats 1 --ttft-batch 8 \
+    --ttft-prompt-tokens 3000 --trace
+  echo "rc kvbig=$?"
   ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
