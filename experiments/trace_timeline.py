@@ -74,19 +74,22 @@ def timelines(prefill: list[dict], decode: list[dict]) -> list[dict]:
         if not (posted and done):
             continue
         p = p_reqs.get(str(posted.get("remote_req")), {})
-        row = {"bytes": posted["bytes"], "d_read_seen": done["seen_ms"], "d_spin": done["spin_ms"]}
+        # the connector's READ has no spin (its trace carries handoff_ms: posted -> seen)
+        row = {"bytes": posted.get("bytes"),
+               "d_read_seen": done.get("seen_ms", done.get("handoff_ms")),
+               "d_spin": done.get("spin_ms", 0.0)}
         if alloc:
             row["d_arrival_to_alloc"] = alloc.get("since_arrival_ms")
             row["d_alloc_to_post"] = 1e3 * (posted["t"] - alloc["t"])
         if "d_recv_reported" in d:
             row["d_seen_to_reported"] = 1e3 * (d["d_recv_reported"]["t"] - done["t"])
         if "unpack_done" in d:
-            row["d_unpack_device"] = d["unpack_done"]["device_ms"]
+            row["d_unpack_device"] = d["unpack_done"].get("device_ms")
         if "pack_ordered" in p:
             row["p_arrival_to_order"] = p["pack_ordered"].get("since_arrival_ms")
         if "packed" in p:
-            row["p_pack_device"] = p["packed"]["device_ms"]
-            row["p_pack_wall"] = p["packed"]["wall_ms"]
+            row["p_pack_device"] = p["packed"].get("device_ms")
+            row["p_pack_wall"] = p["packed"].get("wall_ms")
         if "p_finished" in p and alloc:
             row["p_finish_to_d_alloc"] = 1e3 * (alloc["t"] - p["p_finished"]["t"])
         if "p_released" in p:

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvcached_pd import config, vllm_api
@@ -72,8 +73,14 @@ def staged_reason(vllm_config: Any, kv_cache_config: Any,
     return format_of_kv_cache_config(kv_cache_config)
 
 
-class KvcachedPDConnector(KVConnectorBase_V1):
-    """See the module docstring."""
+class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring.
+
+    ``SupportsHMA`` as vLLM's NixlConnector has it (every release 0.20-0.30): without it
+    vLLM turns the hybrid KV-cache manager off, and ``is_hma_enabled`` is part of NIXL's
+    compatibility hash, so a plain vLLM peer refused every handshake (seen on the host).
+    The staged path itself serves one full-attention group; anything else is the inner
+    connector's."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -161,9 +168,15 @@ class KvcachedPDConnector(KVConnectorBase_V1):
         self._inner.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: Any):
+        return self._finished(request, self._inner.request_finished, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        return self._finished(request, self._inner.request_finished_all_groups, block_ids)
+
+    def _finished(self, request: Any, inner_finished, block_ids: Any):
         if self._decode is not None:
             self._decode.on_request_finished(request)
-        delay_free, params = self._inner.request_finished(request, block_ids)
+        delay_free, params = inner_finished(request, block_ids)
         if self._prefill is not None:
             self._prefill.on_finished(request, delay_free, params)
         return delay_free, params

@@ -70,6 +70,7 @@ class DecodeScheduler:
     orders: dict[str, RecvOrder] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
     refused_peers: dict[str, str] = field(default_factory=dict)  # engine id -> reason
+    lease_freed_peers: set[str] = field(default_factory=set)  # P block size differs
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     def staged_params(self, request: Any) -> StagedParams | None:
@@ -145,8 +146,23 @@ class DecodeScheduler:
         for req_id in req_ids or ():
             trace("d_recv_reported", req_id)
             entry = self.pending.pop(req_id, None)
-            if entry is not None and entry.blocks is not None:
-                handed.append((entry.request, entry.blocks))
+            if entry is None or entry.blocks is None:
+                continue
+            if entry.params.block_size != self.block_size:
+                # vLLM's notify-only read (no local block) indexes the remote block list
+                # of group 0, which it leaves empty when P's and D's block sizes differ
+                # (vLLM 0.26 pull_worker._read_blocks: IndexError, the EngineCore dies;
+                # seen on the host with P 16 / D 32). P's blocks then wait for its lease.
+                if entry.params.engine_id not in self.lease_freed_peers:
+                    self.lease_freed_peers.add(entry.params.engine_id)
+                    logger.warning(
+                        "kvcached-pd: prefill %s uses %d-token blocks, this decode %d: vLLM "
+                        "cannot notify it without a read, so it frees each request's blocks "
+                        "when its KV lease (%.0f s) runs out instead of at once",
+                        entry.params.engine_id, entry.params.block_size, self.block_size,
+                        entry.params.lease_s)
+                continue
+            handed.append((entry.request, entry.blocks))
         return handed
 
     def on_request_finished(self, request: Any) -> None:

@@ -131,7 +131,8 @@ class PrefillScheduler:
             wire_version=WIRE_VERSION, engine_id=self.engine_id, request_id=req_id,
             host=self.host, port=self.port, tp_size=self.tp_size, offset=entry.extent.offset,
             nbytes=entry.extent.nbytes, n_tok_slots=entry.order.n_tok_slots,
-            num_tokens=int(request.num_prompt_tokens), lease_s=self.lease_s,
+            num_tokens=int(request.num_prompt_tokens), block_size=self.block_size,
+            lease_s=self.lease_s,
             format_digest=self.digest)
         entry.finished_at = time.monotonic()
         params[PARAMS_KEY] = entry.params.to_params()

@@ -20,7 +20,9 @@ an incompatible P to vLLM's own path without waiting for a handshake).
 Wire version history
   1 (2026-11-23): first connector wire. Handshake per P rank; per-request extent at
     one offset in every P rank's staging (each rank packs its own heads there); DONE
-    notification ``KVPD1:D:<request id>:<rank>``.
+    notification ``KVPD1:D:<request id>:<rank>``. Per-request params carry P's block
+    size (added before any release, after the first GPU run: D needs it to know whether
+    vLLM's notify-only path can serve the hand-over, see ``DecodeScheduler``).
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class StagedParams:
     nbytes: int  # per rank
     n_tok_slots: int
     num_tokens: int
+    block_size: int  # P's scheduler block size (tokens)
     lease_s: float  # P frees the extent this long after the request finished at the latest
     format_digest: str
 
