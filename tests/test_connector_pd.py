@@ -53,15 +53,19 @@ def test_staged_handoff_moves_every_token_exactly(staged_env):
     assert pd.run([p, d], lambda: not p.sched.requests), "P's blocks were never freed"
 
 
+def loaded(engine, req_id: str) -> bool:
+    """D's request is past its load (its blocks hold the prompt's KV) and not freed."""
+    from vllm.v1.request import RequestStatus
+
+    req = engine.sched.requests.get(req_id)
+    return req is not None and req.status not in (RequestStatus.WAITING_FOR_REMOTE_KVS,
+                                                   RequestStatus.WAITING)
+
+
 def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
-
-
-def assert_same_kv(p, d, p_blocks, d_blocks, n):
-    for layer, (a, b) in enumerate(zip(p.tokens(p_blocks, n), d.tokens(d_blocks, n))):
-        assert torch_equal(a, b), f"layer {layer} differs"
 
 
 def settle(p, d):
@@ -90,9 +94,7 @@ def test_full_staging_on_both_sides_waits_instead_of_taking_the_direct_path(
     prompts = {f"f{i}": [i + 1] * 1500 for i in range(3)}
     for req_id, prompt in prompts.items():
         p.sched.add_request(pd.prefill_request(req_id, prompt))
-    from vllm.v1.request import RequestStatus
-
-    p_blocks, d_blocks, d_kv = {}, {}, {}
+    p_blocks, d_blocks, kv = {}, {}, {}
     waits_p = []
 
     def forward():
@@ -104,20 +106,17 @@ def test_full_staging_on_both_sides_waits_instead_of_taking_the_direct_path(
                 ids = params["remote_block_ids"]
                 p_blocks[req_id] = list(ids[0] if isinstance(ids[0], list) else ids)
                 d.sched.add_request(pd.decode_request("d-" + req_id, prompts[req_id], params))
-            r = d.sched.requests.get("d-" + req_id)
-            if (r is not None and r.status != RequestStatus.WAITING_FOR_REMOTE_KVS
-                    and r.num_computed_tokens >= 1499 and req_id not in d_blocks):
-                # loaded (vLLM sets num_computed_tokens when it allocates, before the load);
-                # read now: once the request finishes, D reuses its blocks for the next
+            if req_id not in d_blocks and loaded(d, "d-" + req_id):
+                # compared now: once D frees them, a later request's load may reuse them
                 d_blocks[req_id] = d.blocks_of("d-" + req_id)
-                d_kv[req_id] = d.tokens(d_blocks[req_id], 1500)
+                kv[req_id] = (p.tokens(p_blocks[req_id], 1500), d.tokens(d_blocks[req_id], 1500))
         waits_p.extend(p.connector._prefill.samples.get("waits", []))
         return len(d_blocks) == len(prompts) and all(
             "d-" + r in d.outputs and d.outputs["d-" + r].finished for r in prompts)
 
     assert pd.run([p, d], forward, timeout_s=60)
-    for req_id in prompts:  # P's caches are never written here: no forward runs
-        for layer, (a, b) in enumerate(zip(p.tokens(p_blocks[req_id], 1500), d_kv[req_id])):
+    for req_id, (want, got) in kv.items():
+        for layer, (a, b) in enumerate(zip(want, got)):
             assert torch_equal(a, b), f"{req_id}: layer {layer} differs"
     assert not d.connector._decode.refused_peers
     assert settle(p, d)

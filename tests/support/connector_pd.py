@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from kvcached_pd import vllm_api
-from tests.conftest import vllm_release
 from tests.support import vllm_nixl_worker as vw
 
 HEADS, HEAD_DIM, LAYERS = 2, 64, 3
@@ -152,14 +151,10 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
     kv_cache_config = vw.kv_cache_config(LAYER_NAMES, num_blocks, block_size, HEADS, HEAD_DIM)
     backend = vw.attention_backend("FLASH_ATTN")
     if caches is None:
-        # blocks outermost, (blocks, 2, block size, heads, head dim): a layout every
-        # release's NIXL registration accepts whatever it resolved before (vLLM keeps
-        # layout decisions per process, and a test process builds many instances)
-        shape = (num_blocks, 2, block_size, HEADS, HEAD_DIM)
-        if vllm_release() < (0, 23):  # NIXL there splits FlashAttention's K and V
-            shape = (2, num_blocks, block_size, HEADS, HEAD_DIM)
-        gen = torch.Generator().manual_seed(seed)
-        caches = [torch.randn(shape, generator=gen).to(torch.float16) for _ in LAYER_NAMES]
+        # what the model runner would allocate for the backend: vLLM's own NixlConnector
+        # (the inner one, or a plain peer's) registers per-block regions from that shape
+        caches = vw.backend_kv_caches(backend, config, LAYERS, num_blocks, block_size, HEADS,
+                                      HEAD_DIM, torch.Generator().manual_seed(seed))
     port = side_channel_port or _free_port()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     affinity = os.sched_getaffinity(0)

@@ -104,6 +104,45 @@ def vllm_kv_shape(backend, num_blocks: int, block_size: int, num_kv_heads: int, 
     return tuple(backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim))
 
 
+def backend_kv_caches(backend, vllm_config, num_layers: int, num_blocks: int, block_size: int,
+                      num_kv_heads: int, head_dim: int, generator: torch.Generator | None = None,
+                      dtype=torch.float16) -> list[torch.Tensor]:
+    """One KV cache per layer, shaped and laid out as this release's GPU model runner
+    would give ``backend`` (and so vLLM's NixlConnector, whose per-block registration
+    reads the rank and order of that shape), filled with random values.
+
+    Up to 0.28 that is ``backend.get_kv_cache_shape`` allocated in the backend's
+    ``get_kv_cache_stride_order`` and permuted back: (2, N, bs, H, D) for FlashAttention
+    up to 0.22, (N, 2, bs, H, D) on 0.23-0.25, (N, H, bs, 2D) over NHD memory on
+    0.26-0.28. From 0.29 a layer is a logical (N, H, bs, 2D) view in the order of the
+    layout the engine resolved (``cache_config.get_resolved_kv_cache_layout()``, call
+    ``resolve_kv_cache_layout`` first). A cache of another rank would make 0.26-0.28's
+    NIXL registration take it for a cross-layer cache and register 0-byte blocks."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_config):
+        if hasattr(backend, "get_kv_cache_shape"):
+            shape = tuple(backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads,
+                                                     head_dim))
+            try:
+                order = tuple(backend.get_kv_cache_stride_order())
+            except (AttributeError, NotImplementedError):
+                order = tuple(range(len(shape)))
+        else:
+            layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+            shape = (num_blocks, num_kv_heads, block_size, 2 * head_dim)
+            order = tuple(layout.layer_view_order)
+    inverse = tuple(order.index(i) for i in range(len(order)))
+    caches = []
+    for _ in range(num_layers):
+        physical = torch.empty(tuple(shape[i] for i in order), dtype=dtype)
+        cache = physical.permute(*inverse)
+        assert tuple(cache.shape) == shape
+        cache.copy_(torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype))
+        caches.append(cache)
+    return caches
+
+
 @contextlib.contextmanager
 def backend_lookup(backend) -> Iterator[None]:
     """Answer vLLM's attention-backend lookups with ``backend`` (the CPU has none),
