@@ -9,7 +9,7 @@
 # here resolves a local file), PyPI's CUDA build elsewhere, which runs these tests on a
 # CPU just as well (it is larger: ~4 GB with its nvidia-* wheels). With
 # SHARED_TORCH_DIR, torch is installed there once and every venv sees it through a .pth
-# file, so the four releases of the matrix download and store it once.
+# file, so the releases of the matrix download and store it once.
 # Real NIXL (UCX) works on host memory, so the tests register and describe real NIXL
 # memory on the CPU.
 set -euo pipefail

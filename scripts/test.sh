@@ -6,16 +6,19 @@
 # env:   KVCACHED_PD_VENVS  where the per-version venvs live (default .venv-test/)
 #        REUSE_VENVS=1      keep an existing venv instead of rebuilding it
 # Needs: python3 (3.10 or newer), network access to the package
-# index only (PyPI or the index pip is configured with), about 30 min and 10 GB for the
-# four releases on a fresh 2-core machine; torch is installed once and shared.
+# index only (PyPI or the index pip is configured with), about 45 min and 10 GB for the
+# five releases on a fresh 2-core machine (README: what was measured); torch is
+# installed once and shared.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 MATRIX=("$@")
-# 0.20 (split nixl package), 0.26 (GPU-validated; pull/push share a base), 0.28 (last
-# release of that code layout: the staged transport's range), 0.30 (layout resolved in
-# the EngineCore, storage-wide registration)
-[ ${#MATRIX[@]} -gt 0 ] || MATRIX=(0.20.2 0.26.0 0.28.0 0.30.0)
+# 0.20 (split nixl package), 0.23 (kv_lease and the pp-aware handshake before the
+# pull/push split; FlashAttention blocks-first, refused over kvcached's split-half
+# memory), 0.26 (GPU-validated; pull/push share a base), 0.28 (last release of that code
+# layout: the staged transport's range), 0.30 (layout resolved in the EngineCore,
+# storage-wide registration)
+[ ${#MATRIX[@]} -gt 0 ] || MATRIX=(0.20.2 0.23.0 0.26.0 0.28.0 0.30.0)
 VENVS=${KVCACHED_PD_VENVS:-$REPO/.venv-test}
 export HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
 

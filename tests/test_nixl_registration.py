@@ -20,6 +20,7 @@ from kvcached_pd.errors import LayoutMismatch, UnsupportedConfiguration
 from kvcached_pd.kv_spans import physical_spans
 from kvcached_pd.patches import get_patch
 from kvcached_pd.registry import REGISTRY
+from kvcached_pd.versions import installed_version
 from tests.conftest import vllm_release
 from tests.support import kvcached_cpu
 from tests.support import vllm_nixl_worker as vw
@@ -75,6 +76,15 @@ def register(vllm_config, backend, caches, worker_hook=None):
     return worker, calls
 
 
+def blocks_first_over_split_half(backend_name: str) -> bool:
+    """Which backends kvcached serves blocks-first, K and V in separate halves:
+    Triton up to vLLM 0.25, and FlashAttention from 0.23 (K/V-first up to 0.22)
+    until its packed shape of 0.26."""
+    if vllm_release() >= (0, 26):
+        return False
+    return backend_name == "TRITON_ATTN" or vllm_release() >= (0, 23)
+
+
 @pytest.mark.parametrize("backend_name", ["FLASH_ATTN", "TRITON_ATTN"])
 def test_registers_exactly_the_physical_budget(patched, vllm_config, backend_name):
     backend = vw.attention_backend(backend_name)
@@ -82,9 +92,11 @@ def test_registers_exactly_the_physical_budget(patched, vllm_config, backend_nam
     virtual_blocks = {REGISTRY.lookup(t).virtual_blocks for t in caches.values()}
     assert min(virtual_blocks) > 10 * BUDGET  # kvcached really over-reserves
 
-    if vllm_release() < (0, 26) and backend_name == "TRITON_ATTN":
-        with pytest.raises(LayoutMismatch, match="split-half"):
+    if blocks_first_over_split_half(backend_name):
+        assert vw.vllm_kv_shape(backend, BUDGET, BLOCK, HEADS, HEAD_DIM)[:2] == (BUDGET, 2)
+        with pytest.raises(LayoutMismatch, match="split-half") as error:
             register(vllm_config, backend, caches)
+        assert f"vLLM {installed_version('vllm')}" in str(error.value)
         return
 
     worker, calls = register(vllm_config, backend, caches)
@@ -106,6 +118,44 @@ def test_registers_exactly_the_physical_budget(patched, vllm_config, backend_nam
     for addr, length, _ in descs.tolist():
         assert any(s <= addr and addr + length <= e for s, e in registered)
     assert REGISTRY.registrations()[-1]["budget_blocks"] == BUDGET
+
+
+@pytest.mark.parametrize("backend_name", ["FLASH_ATTN", "TRITON_ATTN"])
+def test_why_blocks_first_over_split_half_is_refused(kvcached_env, vllm_config, backend_name):
+    """The refusal above prevents a real corruption: handed kvcached's blocks-first
+    split-half tensors (narrowed to the budget so its own check passes), vLLM's NIXL
+    worker describes block i's K and V as the two halves of page i, which in
+    kvcached's memory are the K of blocks 2i and 2i+1; no descriptor reaches a V block."""
+    if not blocks_first_over_split_half(backend_name):
+        pytest.skip(f"{backend_name} is not blocks-first over split-half memory here")
+    kvcached_cpu.install_stand_ins()
+    names = ("kvcached_alloc", "nixl_layout")  # not nixl_registration: vLLM alone
+    for name in names:
+        get_patch(name).patch()
+    vw.forget_resolved_layout()
+    REGISTRY.clear()
+    try:
+        backend = vw.attention_backend(backend_name)
+        caches = kvcached_caches(backend)
+        narrowed = {n: t.narrow(0, 0, BUDGET) for n, t in caches.items()}
+        _, calls = register(vllm_config, backend, narrowed)
+    finally:
+        for name in names:
+            get_patch(name).unpatch()
+        vw.forget_resolved_layout()
+        REGISTRY.clear()
+
+    layer0 = narrowed[LAYER_NAMES[0]]
+    elem = layer0.element_size()
+    half = layer0[0, 0].numel() * elem  # one block's K (or V) bytes
+    k_run = (layer0.data_ptr(), layer0.data_ptr() + layer0.stride(0) * elem * BUDGET * 2)
+    v_starts = {layer0[i, 1].data_ptr() for i in range(BUDGET)}
+    descs = [(a, n) for a, n, _ in np.concatenate(calls.xfer).tolist()
+             if layer0.data_ptr() <= a < layer0[0, 1].data_ptr()]
+    assert descs, "no descriptor of layer 0 recorded"
+    assert all(k_run[0] <= a and a + n <= k_run[1] for a, n in descs)  # K bytes only
+    assert not v_starts & {a for a, _ in descs}  # V is never moved
+    assert (layer0[1, 0].data_ptr(), half) in descs  # block 0's "V" is block 1's K
 
 
 def test_vllm_alone_refuses_kvcached_tensors(kvcached_env, vllm_config):

@@ -18,7 +18,10 @@ them, or registration stops with an error.
 Refused loudly (never mis-strided): tensors kvcached-pd has no geometry for, a budget
 that disagrees with the geometry kvcached created, hybrid/mamba models, head-major
 layouts, and kvcached's split-half memory behind blocks-first shapes (vLLM would
-read K and V as interleaved within a block).
+read K and V as interleaved within a block): Triton/FlashInfer up to vLLM 0.25 and,
+on vLLM 0.23-0.25, FlashAttention too. vLLM describes a peer's blocks from its base
+address and page length alone (V = K + page/2), so no narrowing or clipping here can
+point its descriptors at a V block kept in the other half.
 
 kvcached's contiguous layout (every layer's block ``b`` in one compound page) cannot be
 described by per-block descriptors at all: there NIXL registers none of the KV
@@ -127,10 +130,16 @@ def plan_registration(worker: Any, kv_caches: dict[str, Any]) -> RegistrationPla
         if _is_split_half_blocks_first(cache):
             raise LayoutMismatch(
                 f"layer {name}: blocks-first shape {tuple(cache.shape)} over kvcached's "
-                f"split-half memory (stride {tuple(cache.stride())}): vLLM's NIXL worker "
-                "would read K and V as interleaved within each block and corrupt them. "
-                "Use an attention backend with a K/V-first or packed KV shape "
-                "(FLASH_ATTN), or vLLM >= 0.26."
+                f"split-half memory (stride {tuple(cache.stride())}), attention backend "
+                f"{getattr(worker, 'backend_name', '?')} on vLLM {installed_version('vllm')}: "
+                "vLLM's NIXL worker describes each block as K and V halves of one page, "
+                "which here would move other blocks' K as V and corrupt them. The direct "
+                "transport serves kvcached's split-half memory only behind a K/V-first "
+                "shape (FLASH_ATTN up to vLLM 0.22; tested on 0.20) or a packed one "
+                "(vLLM >= 0.26); on vLLM 0.23-0.25 every CUDA attention backend, "
+                "FLASH_ATTN included, is blocks-first. Use vLLM 0.20-0.22 with FLASH_ATTN, "
+                "vLLM >= 0.26, or kvcached's contiguous layout with the staged transport "
+                "(vLLM 0.24-0.28)."
             )
         narrowed = cache.narrow(geometry.blocks_dim, 0, budget)
         plan.kv_caches[name] = narrowed
