@@ -22,6 +22,7 @@
 #   PART f: the single-request benchmark at 94 MiB (vanilla, connector, the old pull hooks
 #           on the same contiguous layout), then the aborts x3 (tiny: vanilla,
 #           connector pull, staged push).
+#   PART h: equivalence again for the modes part e found broken (mixed fleets, P16/D32).
 #   PART g: UCX faults (every 8th transfer fails, both sides), D killed 1 s into a
 #           128-request load, the kvbig TTFT batch (8 x 3000 tokens) with one load run.
 # Each part leaves in OUT: PART-RUN.tar.gz per run (its tree, logs included), each run's
@@ -102,6 +103,12 @@ g)
     --model /tmp/kvbig --modes vanilla,kvpd-staged --repeats 1 --ttft-batch 8 \
     --ttft-prompt-tokens 3000 --trace
   echo "rc kvbig=$?"
+  ;;
+h)  # the modes part e failed before SupportsHMA and P's block size (commit 946c540)
+  timeout $(( $(left 560) - 10 )) bash "$HERE/equivalence.sh" "$W/eq" reference \
+    kvcached-pd-staged mixed-p mixed-d blocksize --model /tmp/tiny --parallel 5 \
+    --deadline-s $(( $(left 560) - 30 )) --extra-serve-args=--enable-prefix-caching
+  echo "rc equivalence=$?"
   ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
