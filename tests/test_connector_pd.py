@@ -153,3 +153,35 @@ def test_prefill_abort_before_its_prompt_completes_frees_the_extent(staged_env):
     p.sched.finish_requests(["gone"], RequestStatus.FINISHED_ABORTED)
     assert pd.run([p], lambda: "kept" in p.outputs)
     assert "gone" not in p.connector._prefill.staged
+
+
+def test_prefill_16_decode_32_block_sizes_hand_off_and_finish_cleanly(staged_env):
+    """P with 16-token blocks, D with 32 (vLLM's handshake allows it for pull). vLLM's
+    notify-only read with no local block indexes an empty remote block list when the
+    sizes differ (IndexError: the decode EngineCore died on the 2 x H200 host), so D
+    must never leave such a request to it: the KV arrives exactly, D lives on and
+    settles, and P's extent is freed by D's DONE (its blocks by its lease)."""
+    p = pd.make_engine("p", "kv_producer", block_size=16, seed=11)
+    d = pd.make_engine("d", "kv_consumer", block_size=32, seed=12)
+    for i, n in enumerate((17, 45)):
+        req = f"bs{i}"
+        prompt = list(range(3, 3 + n))
+        p.sched.add_request(pd.prefill_request(req, prompt))
+        assert pd.run([p], lambda: req in p.outputs)
+        params = p.outputs[req].kv_transfer_params
+        assert PARAMS_KEY in params
+        ids = params["remote_block_ids"]
+        p_blocks = list(ids[0] if isinstance(ids[0], list) else ids)
+        d.sched.add_request(pd.decode_request("d-" + req, prompt, params))
+        got = {}
+
+        def done():
+            if not got and loaded(d, "d-" + req):
+                got["kv"] = d.tokens(d.blocks_of("d-" + req), n)
+            return "d-" + req in d.outputs and d.outputs["d-" + req].finished
+        assert pd.run([p, d], done)
+        for layer, (a, b) in enumerate(zip(p.tokens(p_blocks, n), got["kv"])):
+            assert torch_equal(a, b), f"{req}: layer {layer} differs"
+    # D keeps stepping without dying; nothing of D's is left; P's extents are freed
+    assert pd.run([p, d], lambda: not d.sched.requests and staging_used(d) == 0
+                  and not p.connector._prefill.staged, timeout_s=5)

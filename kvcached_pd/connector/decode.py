@@ -121,6 +121,8 @@ class DecodeScheduler:
             del self.pending[request.request_id]
             return False
         entry.blocks = blocks
+        if entry.params.block_size != self.block_size:
+            self._leave_to_lease(entry)
         trace("d_alloc", request.request_id, remote_req=entry.params.request_id,
               tokens=int(num_external_tokens),
               since_arrival_ms=ms_since(getattr(request, "arrival_time", None)))
@@ -149,21 +151,26 @@ class DecodeScheduler:
             if entry is None or entry.blocks is None:
                 continue
             if entry.params.block_size != self.block_size:
-                # vLLM's notify-only read (no local block) indexes the remote block list
-                # of group 0, which it leaves empty when P's and D's block sizes differ
-                # (vLLM 0.26 pull_worker._read_blocks: IndexError, the EngineCore dies;
-                # seen on the host with P 16 / D 32). P's blocks then wait for its lease.
-                if entry.params.engine_id not in self.lease_freed_peers:
-                    self.lease_freed_peers.add(entry.params.engine_id)
-                    logger.warning(
-                        "kvcached-pd: prefill %s uses %d-token blocks, this decode %d: vLLM "
-                        "cannot notify it without a read, so it frees each request's blocks "
-                        "when its KV lease (%.0f s) runs out instead of at once",
-                        entry.params.engine_id, entry.params.block_size, self.block_size,
-                        entry.params.lease_s)
-                continue
+                continue  # P frees the blocks by its lease (_leave_to_lease)
             handed.append((entry.request, entry.blocks))
         return handed
+
+    def _leave_to_lease(self, entry: _Pending) -> None:
+        """P's and D's block sizes differ: vLLM's notify-only read (no local block)
+        indexes group 0 of a remote block list it leaves empty then (vLLM 0.26
+        ``pull_worker._read_blocks``: IndexError, the decode EngineCore died on the
+        host with P 16 / D 32). So the request never reaches that path: it no longer
+        asks for a remote prefill (vLLM's own connector clears the flag the same way
+        once it has taken a request), and P frees its blocks when its KV lease runs
+        out; its staging extent is still freed by D's DONE."""
+        entry.request.kv_transfer_params["do_remote_prefill"] = False
+        if entry.params.engine_id not in self.lease_freed_peers:
+            self.lease_freed_peers.add(entry.params.engine_id)
+            logger.warning(
+                "kvcached-pd: prefill %s uses %d-token blocks, this decode %d: vLLM cannot "
+                "notify it without a read, so it frees each request's blocks when its KV "
+                "lease (%.0f s) runs out instead of at once", entry.params.engine_id,
+                entry.params.block_size, self.block_size, entry.params.lease_s)
 
     def on_request_finished(self, request: Any) -> None:
         entry = self.pending.get(request.request_id)
@@ -171,6 +178,8 @@ class DecodeScheduler:
             return
         if not entry.loading:
             del self.pending[request.request_id]
+            if entry.params.block_size != self.block_size:
+                self._leave_to_lease(entry)
         else:
             # vLLM keeps the blocks until the worker reports the load finished.
             self.cancelled.add(request.request_id)
