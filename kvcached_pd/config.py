@@ -273,11 +273,12 @@ VARIABLES: tuple[Variable, ...] = (
              _parse_kvcached_pd, "forced"),
     Variable(KVCACHED_PD_DISABLE, "empty", "comma-separated patch names to leave out "
              "(`kvcached-pd doctor` lists them); unknown names stop startup; "
-             "`connector_guard` cannot waive a blocking problem",
+             "`connector_guard` cannot waive a blocking problem; `connector_routing` keeps "
+             "vLLM's NixlConnector with the older pull hooks (vLLM 0.24-0.28 only)",
              _parse_disable, "disabled_patches"),
     Variable(KVCACHED_PD_TRANSPORT, "`staged` with kvcached, else `direct`", "`staged`: the "
-             "staged transport (vLLM 0.24-0.28; asked for explicitly elsewhere it stops "
-             "startup); `direct`: vLLM's own per-block descriptors over the physical budget",
+             "staged transport (pull: kvcached-pd's connector, vLLM 0.20-0.30; push: vLLM "
+             "0.24-0.28; asked for explicitly where it cannot serve, startup stops); `direct`: vLLM's own per-block descriptors over the physical budget",
              _parse_transport, "transport"),
     Variable(KVCACHED_PD_STAGING_MB, "sized from the engine", "MiB of staging per role "
              "(prefill, decode; a `kv_both` instance has both) of each worker, ordinary device "
