@@ -42,7 +42,7 @@ pytestmark = [
 HEADS, HEAD_DIM, LAYERS, BUDGET = 2, 64, 3, 12
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 PATCHES = ("kvcached_alloc", "nixl_layout", "nixl_registration", "push_prefix_alignment",
-           "staged_transport")
+           "staged_transport", "connector_metrics")
 
 
 @pytest.fixture
@@ -255,6 +255,7 @@ def test_decode_sees_an_imminent_read_done_in_the_same_step(staged_env, caplog):
     from kvcached_pd.transport import trace
 
     staged_env.setenv("KVCACHED_PD_READ_SPIN_US", "20000")
+    kvcached_pd_config.reset_settings_for_tests()  # settings are parsed once
     staged_env.setenv("KVCACHED_PD_TRACE", "1")
     trace.reset()
     caplog.set_level(logging.INFO, logger="kvcached_pd")
@@ -289,6 +290,7 @@ def test_decode_sees_an_imminent_read_done_in_the_same_step(staged_env, caplog):
 
 def test_no_spin_budget_leaves_polling_to_vllm(staged_env):
     staged_env.setenv("KVCACHED_PD_READ_SPIN_US", "0")
+    kvcached_pd_config.reset_settings_for_tests()  # settings are parsed once
     p_worker, p_tensors, backend = make_side(16, seed=23)
     d_worker, d_tensors, _ = make_side(16, seed=24)
     handshake(d_worker, p_worker, backend)

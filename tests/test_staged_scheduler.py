@@ -44,6 +44,8 @@ def scheduler(kvcached_env, request):
     kvcached_env.setenv("KVCACHED_PD_DISABLE", "connector_routing")  # the hook path's tests
     patch = get_patch("staged_transport")
     patch.patch()
+    metrics = get_patch("connector_metrics")  # the kvcached_pd_* series in vLLM's stats
+    metrics.patch()
     model = vw.write_tiny_llama(tempfile.mkdtemp(), num_layers=2, num_kv_heads=2, head_dim=64)
     config = vw.make_vllm_config(model, block_size=BLOCK, connector=request.param)
     config.scheduler_config.max_num_batched_tokens = 64
@@ -56,6 +58,7 @@ def scheduler(kvcached_env, request):
                       block_size=BLOCK)
     yield sched
     patch.unpatch()
+    metrics.unpatch()
 
 
 def make_request(num_tokens: int, remote_decode: bool = True):
