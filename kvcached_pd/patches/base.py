@@ -8,6 +8,7 @@ ours, so a later patcher's work is never clobbered.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -28,6 +29,16 @@ class _Replacement:
     attr: str
     original: Any  # raw object from vars(owner), or _MISSING
     installed: Any
+
+
+def wrap_hook(hook, original):
+    """``original`` with ``hook(original, self, *args, **kwargs)`` called instead."""
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        return hook(original, self, *args, **kwargs)
+
+    return method
 
 
 class Patch:

@@ -14,13 +14,12 @@ Not fail-closed: without it the transport moves KV the same, only unobserved.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 
 from kvcached_pd import vllm_nixl
 from kvcached_pd.connector.stats import STAT_KEYS
-from kvcached_pd.patches.base import Patch
+from kvcached_pd.patches.base import Patch, wrap_hook
 from kvcached_pd.versions import VersionRange
 
 STATS_MODULE = f"{vllm_nixl.NIXL_PACKAGE}.stats"
@@ -97,14 +96,6 @@ def _prom_observe(original, self, transfer_stats_data, engine_idx=0):
     return result
 
 
-def _wrap(hook, original):
-    @functools.wraps(original)
-    def method(self, *args, **kwargs):
-        return hook(original, self, *args, **kwargs)
-
-    return method
-
-
 class ConnectorMetricsPatch(Patch):
     name = "connector_metrics"
     summary = "vllm:kvcached_pd_* metrics (staging occupancy, fallbacks, waits, handoff times)"
@@ -123,4 +114,4 @@ class ConnectorMetricsPatch(Patch):
                                 (stats_mod.NixlKVConnectorStats, "is_empty", _stats_is_empty),
                                 (stats_mod.NixlPromMetrics, "__init__", _prom_init),
                                 (stats_mod.NixlPromMetrics, "observe", _prom_observe)):
-            self._replace(cls, attr, _wrap(hook, vars(cls)[attr]))
+            self._replace(cls, attr, wrap_hook(hook, vars(cls)[attr]))

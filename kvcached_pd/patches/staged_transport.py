@@ -23,7 +23,7 @@ import logging
 from typing import Any
 
 from kvcached_pd import config, vllm_nixl
-from kvcached_pd.patches.base import Patch, defining_class
+from kvcached_pd.patches.base import Patch, defining_class, wrap_hook
 from kvcached_pd.versions import VersionRange
 
 logger = logging.getLogger("kvcached_pd")
@@ -125,20 +125,12 @@ class StagedTransportPatch(Patch):
         for (cls, attr), hook in hooks.items():
             owner = defining_class(cls, attr)
             original = vars(owner)[attr]
-            self._replace(owner, attr, _wrap(hook, original))
+            self._replace(owner, attr, wrap_hook(hook, original))
 
     def _undo(self) -> None:
         global _PUSH_ONLY
         super()._undo()
         _PUSH_ONLY = False
-
-
-def _wrap(hook, original):
-    @functools.wraps(original)
-    def method(self, *args, **kwargs):
-        return hook(original, self, *args, **kwargs)
-
-    return method
 
 
 # ------------------------------------------------------------------------- scheduler
