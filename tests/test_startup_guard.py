@@ -33,8 +33,10 @@ except Exception as exc:
 GOOD = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_CONTIGUOUS_LAYOUT="false")
 
 
-def create(**env) -> str | None:
-    return subproc.run_json(CREATE, env=subproc.clean_env(**env))["error"]
+def create(connector: str = "NixlConnector", **env) -> str | None:
+    code = CREATE.replace("write_tiny_llama(tempfile.mkdtemp()))",
+                          f"write_tiny_llama(tempfile.mkdtemp()), connector={connector!r})")
+    return subproc.run_json(code, env=subproc.clean_env(**env))["error"]
 
 
 def doctor(**env):
@@ -75,18 +77,35 @@ def test_bad_configuration_stops_nixl_startup(env, message):
     assert message in report.stdout
 
 
-def test_explicit_staged_transport_serves_or_stops_startup():
-    """The staged transport's hooks exist for vLLM 0.24-0.28; asked for by name on
-    another release, startup stops rather than serve vLLM's per-block path silently."""
+def push_name() -> str | None:
+    """vLLM's push connector name on this release (0.24+), None before push mode existed."""
+    return "NixlPushConnector" if vllm_release()[:2] >= (0, 24) else None
+
+
+def test_explicit_staged_transport_serves_pull_on_every_release():
+    """Pull mode (vLLM's NixlConnector name) is kvcached-pd's connector's on every
+    release it knows, so asking for the staged transport by name serves."""
     env = dict(GOOD, KVCACHED_PD_TRANSPORT="staged", **kvcached_on_path())
-    serves = (0, 24) <= vllm_release()[:2] < (0, 29)
     error, report = create(**env), doctor(**env)
-    if serves:
-        assert error is None and report.returncode == 0
-        assert "transport that will serve: staged" in report.stdout
+    assert error is None and report.returncode == 0
+    assert "transport that will serve: staged" in report.stdout
+
+
+def test_explicit_staged_transport_for_push_serves_or_stops_startup():
+    """Push mode is staged by hooks into vLLM 0.24-0.28's push classes; asked for by
+    name on another release, startup stops rather than serve vLLM's per-block path
+    silently. Before 0.24 vLLM has no push connector and refuses the name itself."""
+    env = dict(GOOD, KVCACHED_PD_TRANSPORT="staged", **kvcached_on_path())
+    if push_name() is None:
+        error = create("NixlPushConnector", **env)
+        assert error is not None and "NixlPushConnector" in error
+        return
+    error = create(push_name(), **env)
+    if (0, 24) <= vllm_release()[:2] < (0, 29):
+        assert error is None
     else:
         assert error is not None and "KVCACHED_PD_TRANSPORT=staged was asked for" in error
-        assert report.returncode == 1 and "cannot serve" in report.stdout
+        assert "push mode is staged on vLLM >=0.24,<0.29 only" in error
 
 
 def test_hybrid_model_is_refused_when_the_connector_is_created():
@@ -127,22 +146,31 @@ def test_staging_larger_than_the_device_stops_the_worker_connector():
 
 @pytest.mark.parametrize("layout", ["true", None])
 @pytest.mark.parametrize("transport", ["staged", None])  # None: the default with kvcached
-def test_contiguous_layout_is_allowed_only_where_the_staged_transport_serves(layout, transport):
-    """kvcached's default layout (unset = contiguous) with the staged transport: vLLM
-    0.24-0.28 builds the connector; elsewhere only the direct path exists, so it stops."""
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_contiguous_layout_is_allowed_only_where_the_staged_transport_serves(
+        layout, transport, mode):
+    """kvcached's default layout (unset = contiguous) with the staged transport: pull is
+    kvcached-pd's connector's on every release; push is staged on vLLM 0.24-0.28 only,
+    and elsewhere only vLLM's per-block path exists, which would read other layers'
+    bytes, so startup stops."""
     env = {k: v for k, v in GOOD.items() if k != "KVCACHED_CONTIGUOUS_LAYOUT"}
     if layout is not None:
         env["KVCACHED_CONTIGUOUS_LAYOUT"] = layout
     if transport is not None:
         env["KVCACHED_PD_TRANSPORT"] = transport
-    error = create(**env, **kvcached_on_path())
-    if (0, 24) <= vllm_release() < (0, 29):
+    if mode == "pull":
+        assert create(**env, **kvcached_on_path()) is None
+        return
+    if push_name() is None:
+        error = create("NixlPushConnector", **env, **kvcached_on_path())
+        assert error is not None and "NixlPushConnector" in error  # vLLM's own refusal
+        return
+    error = create(push_name(), **env, **kvcached_on_path())
+    if (0, 24) <= vllm_release()[:2] < (0, 29):
         assert error is None
     else:
         assert error is not None and error.startswith("UnsupportedConfiguration")
-        assert "KVCACHED_CONTIGUOUS_LAYOUT is true" in error
-        assert "the staged transport serves vLLM >=0.24,<0.29 only" in error
-        assert "Set KVCACHED_CONTIGUOUS_LAYOUT=false" in error
+        assert "KVCACHED_CONTIGUOUS_LAYOUT" in error and "false" in error
 
 
 def test_kvcached_not_importable_stops_nixl_startup():
