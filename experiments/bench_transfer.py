@@ -243,7 +243,8 @@ class Bench:
         kvp = p.json().get("kv_transfer_params")
         if not kvp:
             return {"error": "prefill returned no kv_transfer_params"}
-        staged = "kvcached_pd_staged" in kvp
+        # the hooks' key, or the connector's (kvcached_pd.connector.wire.PARAMS_KEY)
+        staged = "kvcached_pd_staged" in kvp or "kvcached_pd" in kvp
         p_after = self._wait_finished(run.p_url, p_before, (M.KVPD_PACK_COUNT,)) \
             if staged else None
         before = scrape_metrics(run.d_url)

@@ -320,6 +320,10 @@ class LoadHarness:
         window = a.settle_s
         if kill or a.ucx_fault_lib:
             window = max(window, a.abort_timeout_s + 15)
+        if a.ucx_fault_lib and "push" in run.mode.name:
+            # A push D keeps a failed request's offered extent out of use until P's KV
+            # lease plus 5 s after the offer (P may still WRITE there until then).
+            window = max(window, a.kv_lease_s + 20)
         # With client aborts P keeps the blocks (and so the extent) of a request whose D
         # leg never reached D's engine until vLLM's KV lease expires (its
         # kv_lease_duration, 30 s in vLLM 0.26; vanilla P holds its blocks just as long).

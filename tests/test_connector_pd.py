@@ -185,3 +185,61 @@ def test_prefill_16_decode_32_block_sizes_hand_off_and_finish_cleanly(staged_env
     # D keeps stepping without dying; nothing of D's is left; P's extents are freed
     assert pd.run([p, d], lambda: not d.sched.requests and staging_used(d) == 0
                   and not p.connector._prefill.staged, timeout_s=5)
+
+
+@pytest.fixture
+def metrics_patch(staged_env):
+    from kvcached_pd import config
+    from kvcached_pd.patches import get_patch
+
+    config.reset_settings_for_tests()
+    patch = get_patch("connector_metrics")
+    patch.patch()
+    yield
+    patch.unpatch()
+
+
+def test_staged_series_reach_the_schedulers_stats_for_prometheus(metrics_patch):
+    """What the API server's Prometheus logger receives is SchedulerStats'
+    ``kv_connector_stats``, built by vLLM's scheduler from the worker's and its own
+    connector stats: P's pack time and staging occupancy, D's READ and handoff times
+    and occupancy must all be in it (the unpack time is device time: a GPU's only).
+    Without the connector_metrics patch vLLM's ``is_empty`` drops what carries no
+    transfer of vLLM's own, so the scheduler's half would be lost."""
+    p = pd.make_engine("p", "kv_producer", seed=1)
+    d = pd.make_engine("d", "kv_consumer", seed=2)
+    handoff(p, d, "r1", list(range(1, 45)))
+    assert pd.run([p, d], lambda: not p.connector._prefill.staged, timeout_s=5)
+    assert p.series("kvcached_pd_pack_duration"), p.stats
+    assert p.series("kvcached_pd_prefill_staging_bytes")[-1] == 0
+    for key in ("kvcached_pd_read_duration", "kvcached_pd_handoff_duration"):
+        assert d.series(key), (key, d.stats)
+    assert d.series("kvcached_pd_decode_staging_bytes")[-1] == 0
+
+
+@pytest.mark.parametrize("spin_s", [10.0, 0.0])
+def test_decode_waits_within_the_step_for_a_read_about_to_end(staged_env, spin_s):
+    """vLLM sees a finished load only at the next ``get_finished``: with a spin budget D
+    waits inside the step for a READ predicted to end within it, so the first poll after
+    the READ was posted reports it (on the host: READ seen 2.43 ms after posting without
+    the spin, 0.53 ms with it). Without a budget (0) the in-process UCX READ is still
+    running at that poll; the budget here is generous because how fast UCX is on a
+    loaded CI machine is not the test's business."""
+    p = pd.make_engine("p", "kv_producer", seed=1)
+    d = pd.make_engine("d", "kv_consumer", seed=2)
+    worker = d.worker._decode_worker
+    assert worker.spin_s == 0.001  # KVCACHED_PD_READ_SPIN_US's default reached D
+    worker.spin_s = spin_s
+    first_polls = []
+    real_poll = worker.poll
+
+    def poll():
+        posted = set(worker.inflight)
+        finished, failed, invalid = real_poll()
+        first_polls.extend((req_id, req_id in finished) for req_id in posted
+                           if req_id not in {r for r, _ in first_polls})
+        return finished, failed, invalid
+
+    worker.poll = poll
+    handoff(p, d, "r1", list(range(1, 45)))
+    assert first_polls == [("d-r1", spin_s > 0)]

@@ -214,13 +214,14 @@ def test_decode_staging_full_holds_the_registration_until_room(staged_env):
 
 def test_a_failed_request_keeps_its_offered_extent_out_of_use(staged_env):
     """After D's request fails with its offer out, P may still WRITE there until its
-    lease ends: the extent is quarantined for hold_s, then returned."""
+    lease ends. P's lease began before the offer (D offers only for a request carrying
+    P's extent), so the extent is held until hold_s after the offer, then returned."""
     from kvcached_pd.transport.staged import drop_failed
     from kvcached_pd.transport.staged_push import offer_staging
 
     _, _, d_worker, _ = push_pair(seed=48)
     d_st = worker_staging(d_worker)
-    assert d_st.hold_s == 60.0  # twice vLLM's default 30 s KV lease
+    assert d_st.hold_s == 35.0  # vLLM's default 30 s KV lease plus a 5 s margin
     info = staged_order(d_worker, 3, 16, 40)
     d_st.recv_info["req-9"] = info
     reg = {"request_id": "req-9"}
@@ -228,10 +229,30 @@ def test_a_failed_request_keeps_its_offered_extent_out_of_use(staged_env):
     assert reg["kvcached_pd_staged"]["nbytes"] == info["nbytes"]
     drop_failed(d_st, "req-9")
     d_st.reap(d_worker)
-    assert d_st.buffer.allocator.num_live == 1  # still held
+    assert d_st.buffer.allocator.num_live == 1  # still held: the lease may not have ended
+    until = d_st.quarantine[0][0]
+    assert 30.0 < until - time.monotonic() <= 35.0
     d_st.quarantine = [(0.0, extent) for _, extent in d_st.quarantine]  # hold elapsed
     d_st.reap(d_worker)
     assert d_st.buffer.allocator.num_live == 0
+
+
+def test_a_request_failed_a_lease_after_its_offer_frees_its_extent_soon(staged_env):
+    """vLLM's registration watchdog fails a push D never received one lease after the
+    offer (the host's UCX faults on P's WRITE): P's lease is over by then, so the
+    extent comes back within the margin, not a whole hold later."""
+    from kvcached_pd.transport.staged import drop_failed
+    from kvcached_pd.transport.staged_push import offer_staging
+
+    _, _, d_worker, _ = push_pair(seed=49)
+    d_st = worker_staging(d_worker)
+    info = staged_order(d_worker, 3, 16, 40)
+    d_st.recv_info["req-8"] = info
+    assert offer_staging(d_worker, d_st, "req-8", {"request_id": "req-8"}) == "offered"
+    extent, info_, offered = d_st.pending["req-8"]
+    d_st.pending["req-8"] = (extent, info_, offered - 31.0)  # offered 31 s ago
+    drop_failed(d_st, "req-8")
+    assert d_st.quarantine[0][0] - time.monotonic() <= 4.0
 
 
 def test_a_staged_write_nixl_refuses_goes_by_vllms_push(staged_env, monkeypatch):

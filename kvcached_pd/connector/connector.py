@@ -227,7 +227,8 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                 self._region, sync_pack=getattr(self._vllm_config, "speculative_config",
                                                 None) is not None)
         if plan.decode_bytes:
-            self._decode_worker = DecodeWorker(self._region)
+            self._decode_worker = DecodeWorker(self._region,
+                                               spin_s=self._settings.read_spin_us / 1e6)
         region = self._region
         logger.info(
             "kvcached-pd: staged transport ready: %d MiB staging (%s; prefill %d MiB, decode "

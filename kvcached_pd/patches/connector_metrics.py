@@ -32,6 +32,9 @@ SERIES = (
      "kvcached-pd: decode side, one staged READ on the wire (NIXL's transfer telemetry)", "time"),
     ("kvcached_pd_handoff_duration", "vllm:kvcached_pd_handoff_seconds",
      "kvcached-pd: decode side, staged READ posted to scatter enqueued", "time"),
+    ("kvcached_pd_read_spin", "vllm:kvcached_pd_read_spin_seconds",
+     "kvcached-pd: decode side, time one engine step waited for imminent staged READs "
+     "(KVCACHED_PD_READ_SPIN_US)", "time"),
     ("kvcached_pd_unpack_duration", "vllm:kvcached_pd_unpack_seconds",
      "kvcached-pd: decode side, scatter of an extent into KV blocks (device time)", "time"),
     ("kvcached_pd_prefill_staging_bytes", "vllm:kvcached_pd_prefill_staging_bytes",

@@ -35,6 +35,9 @@ STATE = "_kvcached_pd_staging"
 # each one that creates staging state checks this and leaves a pull instance (the inner
 # NixlConnector of kvcached-pd's connector) to vLLM's code.
 _PUSH_ONLY = False
+# Push D: a failed request's offered extent stays unused for P's KV lease plus this margin
+# after the offer (a WRITE P posted just before its lease ended has landed by then).
+PUSH_HOLD_MARGIN_S = 5.0
 
 
 def _is_push(obj: Any) -> bool:
@@ -271,7 +274,7 @@ def _worker_register_kv_caches(staged_meta_cls, original_meta_cls, original, sel
     self._registered_descs.append(descs)
     result = original(self, kv_caches)
     state = WorkerStaging(fmt=fmt, buffer=buffer, read_spin_s=settings.read_spin_us / 1e6,
-                          push=push, hold_s=2.0 * _kv_lease_seconds(self),
+                          push=push, hold_s=_kv_lease_seconds(self) + PUSH_HOLD_MARGIN_S,
                           sync_pack=getattr(self.vllm_config, "speculative_config", None)
                           is not None)
     state.layers, state.kernel_block_size = build_layer_views(self, self.device_kv_caches)

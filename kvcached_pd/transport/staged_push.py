@@ -28,8 +28,10 @@ decode (D)
 Why the marked notification: only P knows, at WRITE time, which path it took (it may
 have no packed extent, or run without kvcached-pd and ignore the offer). Unpacking an
 extent P never wrote would overwrite correct blocks, so D unpacks only on P's word.
-A request that fails on D after its offer went out keeps its extent out of use for
-``hold_s`` (twice vLLM's KV lease): P could still WRITE into it until its lease ends.
+A request that fails on D after its offer went out keeps its extent out of use until
+``hold_s`` (vLLM's KV lease plus a margin) after the offer: P could still WRITE into it
+until its lease ends, and P's lease began before the offer (D offers only for requests
+carrying P's packed extent, so P had finished them).
 """
 
 from __future__ import annotations

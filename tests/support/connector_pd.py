@@ -67,6 +67,9 @@ class Engine:
     port: int = 0  # this instance's VLLM_NIXL_SIDE_CHANNEL_PORT
     outputs: dict[str, Any] = field(default_factory=dict)  # req id -> EngineCoreOutput
     done_seen: set = field(default_factory=set)  # P: (request id, D rank) DONEs received
+    # what the EngineCore hands the API server's Prometheus logger: SchedulerStats'
+    # kv_connector_stats, one dict of lists per step that carried any
+    stats: list[dict] = field(default_factory=list)
 
     @property
     def connector(self):
@@ -107,9 +110,16 @@ class Engine:
             pooler_output=None, kv_connector_output=kv_out)
         results = self.sched.update_from_output(out, runner)
         for eco in results.values():
+            sched_stats = getattr(eco, "scheduler_stats", None)
+            if sched_stats is not None and sched_stats.kv_connector_stats:
+                self.stats.append(sched_stats.kv_connector_stats)
             for o in eco.outputs:
                 self.outputs[o.request_id] = o
         return out
+
+    def series(self, key: str) -> list[float]:
+        """Every sample of one stats key the scheduler reported so far."""
+        return [v for data in self.stats for v in data.get(key, ())]
 
     def _report(self, report):
         self.done_seen |= set(getattr(report, "done", ()) or ())
