@@ -21,9 +21,10 @@ load_general_plugins()
 from tests.support import vllm_nixl_worker as vw
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-config = vw.make_vllm_config(vw.write_tiny_llama(tempfile.mkdtemp()))
 kv_cache_config = vw.kv_cache_config(["model.layers.0.self_attn.attn"], 8, 16, 2, 64)
+# a connector name this vLLM lacks is refused when the config is built
 try:
+    config = vw.make_vllm_config(vw.write_tiny_llama(tempfile.mkdtemp()))
     KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
     print(json.dumps({"error": None}))
 except Exception as exc:
