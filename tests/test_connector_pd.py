@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcached_pd.connector.wire import PARAMS_KEY
+from tests.conftest import vllm_release
 from tests.support import connector_pd as pd
 
 
@@ -211,7 +212,14 @@ def test_staged_series_reach_the_schedulers_stats_for_prometheus(metrics_patch):
     handoff(p, d, "r1", list(range(1, 45)))
     assert pd.run([p, d], lambda: not p.connector._prefill.staged, timeout_s=5)
     assert p.series("kvcached_pd_pack_duration"), p.stats
-    assert p.series("kvcached_pd_prefill_staging_bytes")[-1] == 0
+    # vLLM 0.20-0.23's scheduler forwards its connector's own stats only along with the
+    # worker's: an idle P's release sample waits for the next step that carries any
+    # (a stale occupancy gauge there, noted in the issue); later releases send it alone
+    if vllm_release() >= (0, 24):
+        assert pd.run([p, d], lambda: p.series("kvcached_pd_prefill_staging_bytes")[-1:]
+                      == [0], timeout_s=5), p.series("kvcached_pd_prefill_staging_bytes")
+    else:
+        assert p.series("kvcached_pd_prefill_staging_bytes")
     for key in ("kvcached_pd_read_duration", "kvcached_pd_handoff_duration"):
         assert d.series(key), (key, d.stats)
     assert d.series("kvcached_pd_decode_staging_bytes")[-1] == 0
