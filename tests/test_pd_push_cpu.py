@@ -238,9 +238,10 @@ def test_a_failed_request_keeps_its_offered_extent_out_of_use(staged_env):
 
 
 def test_a_request_failed_a_lease_after_its_offer_frees_its_extent_soon(staged_env):
-    """vLLM's registration watchdog fails a push D never received one lease after the
-    offer (the host's UCX faults on P's WRITE): P's lease is over by then, so the
-    extent comes back within the margin, not a whole hold later."""
+    """A push D never received fails a lease or more after the offer (the host's UCX
+    faults on P's WRITE: the client gave up; or vLLM's registration watchdog): P's lease
+    is over by then, so the extent comes back within the margin, not a whole hold
+    after the failure."""
     from kvcached_pd.transport.staged import drop_failed
     from kvcached_pd.transport.staged_push import offer_staging
 

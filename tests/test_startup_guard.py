@@ -79,8 +79,11 @@ def test_bad_configuration_stops_nixl_startup(env, message):
 
 
 def push_name() -> str | None:
-    """vLLM's push connector name on this release (0.24+), None before push mode existed."""
-    return "NixlPushConnector" if vllm_release()[:2] >= (0, 24) else None
+    """vLLM's push connector name on this release, from the version table (0.24+);
+    None before push mode existed."""
+    from kvcached_pd import vllm_api
+
+    return vllm_api.current().push_name
 
 
 def test_explicit_staged_transport_serves_pull_on_every_release():

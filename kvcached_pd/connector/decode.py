@@ -51,14 +51,10 @@ from kvcached_pd.connector.wire import (
     WireError,
 )
 from kvcached_pd.transport.pack import unpack_request
-from kvcached_pd.transport.staging import Extent
+from kvcached_pd.transport.staging import EXPECTED_READ_BYTES_PER_S, Extent
 from kvcached_pd.transport.trace import ms_since, trace
 
 logger = logging.getLogger("kvcached_pd")
-
-# What D assumes a staged READ runs at when predicting whether it ends within the spin
-# budget: below the 243 GB/s measured at 1 GiB on NVLink, so predictions err late.
-EXPECTED_READ_BYTES_PER_S = 150e9
 
 
 @dataclass

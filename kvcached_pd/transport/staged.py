@@ -51,7 +51,12 @@ from kvcached_pd.transport import sizing
 from kvcached_pd.transport.format import PackedFormat, format_of_kv_cache_config
 from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
 from kvcached_pd.transport.pack import pack_request, unpack_request
-from kvcached_pd.transport.staging import Extent, ExtentAllocator, StagingBuffer
+from kvcached_pd.transport.staging import (
+    EXPECTED_READ_BYTES_PER_S,
+    Extent,
+    ExtentAllocator,
+    StagingBuffer,
+)
 from kvcached_pd.transport.trace import ms_since, trace
 
 logger = logging.getLogger("kvcached_pd")
@@ -79,9 +84,6 @@ def record_stat(worker: Any, key: str, value: float) -> None:
 
 HANDSHAKE_FIELD = "kvcached_pd_staged"  # in NIXL agent metadata
 CHUNK_BYTES = 64 << 20  # one NIXL descriptor per 64 MiB of extent
-# What D assumes a staged READ runs at when predicting whether it ends within the spin
-# budget: below the 243 GB/s measured at 1 GiB on NVLink, so predictions err late.
-EXPECTED_READ_BYTES_PER_S = 150e9
 ALIGNMENT = sizing.ALIGNMENT
 
 
@@ -659,9 +661,10 @@ def drop_failed(st: WorkerStaging, req_id: str) -> None:
         # until its lease on the request runs out. D offers staging only for a request
         # that carries P's packed extent, so P had finished it (and started its lease)
         # before the offer: the extent is safe ``hold_s`` (the lease plus a margin)
-        # after the offer. A request failed by vLLM's registration watchdog (one lease
-        # after the offer) is free again within the margin, not two leases later (the
-        # host's UCX-fault run saw 293 MiB still held 35 s after the faults).
+        # after the offer. A request that fails a lease or more after its offer (a
+        # client giving up on a push that never came, vLLM's registration watchdog) is
+        # free again at once, not two leases after the failure (the host's UCX-fault run
+        # saw 306,708,480 bytes still held 35 s after the load, under that older rule).
         left = max(0.0, entry[2] + st.hold_s - time.perf_counter())
         st.quarantine.append((time.monotonic() + left, entry[0]))
     else:

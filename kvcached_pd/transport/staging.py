@@ -27,6 +27,10 @@ import torch
 
 from kvcached_pd.config import KVCACHED_PD_STAGING_MB
 
+# What D assumes a staged READ runs at when predicting whether it ends within the spin
+# budget: below the 243 GB/s measured at 1 GiB on NVLink, so predictions err late.
+EXPECTED_READ_BYTES_PER_S = 150e9
+
 __all__ = [
     "Extent",
     "ExtentAllocator",
