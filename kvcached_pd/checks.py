@@ -109,10 +109,11 @@ def serving_transport(settings: config.Settings, vllm_version: str | None,
     """The data path that will actually move KV for this vLLM and ``kv_connector``
     name (None: the operator has not said, as in the doctor), and why.
 
-    Pull mode is kvcached-pd's connector's on every release of ``vllm_api.RELEASES``
-    (the routing patch builds it for vLLM's pull names); push mode
-    (``NixlPushConnector``) is staged by hooks into vLLM 0.24-0.28's push classes only.
-    Elsewhere a requested ``staged`` means vLLM's own per-block path.
+    Pull and push mode are kvcached-pd's connector's on every release of
+    ``vllm_api.RELEASES`` that has them (the routing patch builds it for vLLM's NIXL
+    names: pull on 0.20-0.30, ``NixlPushConnector`` on 0.24-0.30). With the routing
+    disabled the older hooks stage both modes on vLLM 0.24-0.28 only. Elsewhere a
+    requested ``staged`` means vLLM's own per-block path.
     """
     from kvcached_pd import vllm_api
     from kvcached_pd.patches.connector_routing import ConnectorRoutingPatch
@@ -129,33 +130,24 @@ def serving_transport(settings: config.Settings, vllm_version: str | None,
     if api is None:
         return "direct", (f"kvcached-pd's connector knows vLLM {vllm_api.SUPPORTED} only; "
                           f"vLLM here: {vllm_version or 'not installed'}")
-    push_range = StagedTransportPatch.vllm_range
-    push_served = (push_range.contains(vllm_version)
-                   and StagedTransportPatch.name not in settings.disabled_patches)
-    routed = ConnectorRoutingPatch.name not in settings.disabled_patches
-    if connector is not None and connector == api.push_name:
-        if push_served:
-            return "staged", (f"push mode is staged by hooks into vLLM {push_range}'s push "
-                              f"classes; vLLM here: {vllm_version}")
-        return "direct", (f"{connector}: push mode is staged on vLLM {push_range} only (and "
-                          f"not with {StagedTransportPatch.name} disabled); vLLM here: "
-                          f"{vllm_version}; use NixlConnector (pull) for the staged path")
-    if connector is not None and connector not in api.pull_names + (
-            vllm_api.CONNECTOR_CLASS,):
+    names = api.pull_names + ((api.push_name,) if api.push_name else ())
+    if connector is not None and connector not in names + (vllm_api.CONNECTOR_CLASS,):
         return "vLLM's own", f"kv_connector {connector} is not a NIXL connector kvcached-pd serves"
+    routed = ConnectorRoutingPatch.name not in settings.disabled_patches
     if not routed:
-        if push_served:
+        hooks_range = StagedTransportPatch.vllm_range
+        if (hooks_range.contains(vllm_version)
+                and StagedTransportPatch.name not in settings.disabled_patches):
             return "staged", (f"{ConnectorRoutingPatch.name} is disabled by "
-                              f"{config.KVCACHED_PD_DISABLE}: the hooks into vLLM {push_range}'s "
-                              "NixlConnector stage it")
+                              f"{config.KVCACHED_PD_DISABLE}: the hooks into vLLM "
+                              f"{hooks_range}'s NIXL connectors stage it")
         return "direct", (f"{ConnectorRoutingPatch.name} is disabled by "
-                          f"{config.KVCACHED_PD_DISABLE}")
-    push = (f"push ({api.push_name}) staged too" if push_served and api.push_name else
-            f"push ({api.push_name}) keeps vLLM's per-block path" if api.push_name else
-            "this vLLM has no push mode")
-    return "staged", (f"vLLM {vllm_version}: {', '.join(api.pull_names)} build kvcached-pd's "
-                      f"{vllm_api.CONNECTOR_CLASS} (pull); {push}; TP>1 and peers without "
-                      "kvcached-pd take vLLM's NixlConnector inside it, and it says so")
+                          f"{config.KVCACHED_PD_DISABLE} (the older hooks serve vLLM "
+                          f"{hooks_range} only; vLLM here: {vllm_version})")
+    push = (f"{api.push_name} (push) too" if api.push_name else "this vLLM has no push mode")
+    return "staged", (f"vLLM {vllm_version}: {', '.join(api.pull_names)} (pull) build "
+                      f"kvcached-pd's {vllm_api.CONNECTOR_CLASS}; {push}; TP>1 and peers "
+                      "without kvcached-pd take vLLM's own connector inside it, and it says so")
 
 
 def transport_problems(settings: config.Settings, vllm_version: str | None,

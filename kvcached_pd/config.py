@@ -274,11 +274,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(KVCACHED_PD_DISABLE, "empty", "comma-separated patch names to leave out "
              "(`kvcached-pd doctor` lists them); unknown names stop startup; "
              "`connector_guard` cannot waive a blocking problem; `connector_routing` keeps "
-             "vLLM's NixlConnector with the older pull hooks (vLLM 0.24-0.28 only)",
+             "vLLM's NIXL connectors with the older staging hooks (vLLM 0.24-0.28 only)",
              _parse_disable, "disabled_patches"),
     Variable(KVCACHED_PD_TRANSPORT, "`staged` with kvcached, else `direct`", "`staged`: the "
-             "staged transport (pull: kvcached-pd's connector, vLLM 0.20-0.30; push: vLLM "
-             "0.24-0.28; asked for explicitly where it cannot serve, startup stops); `direct`: vLLM's own per-block descriptors over the physical budget",
+             "staged transport, kvcached-pd's connector (pull: vLLM 0.20-0.30; push: 0.24-0.30; "
+             "asked for explicitly where it cannot serve, startup stops); `direct`: vLLM's own per-block descriptors over the physical budget",
              _parse_transport, "transport"),
     Variable(KVCACHED_PD_STAGING_MB, "sized from the engine", "MiB of staging per role "
              "(prefill, decode; a `kv_both` instance has both) of each worker, ordinary device "

@@ -95,9 +95,42 @@ def current() -> VllmApi:
     return record
 
 
-def inner_connector_class() -> type:
-    """vLLM's pull-mode NixlConnector, the connector ours composes."""
-    return getattr(importlib.import_module(NIXL_PACKAGE), "NixlConnector")
+# The inner connector kvcached-pd's connector composes when named directly
+# (kv_connector="KvcachedPDConnector"): kv_connector_extra_config["kvcached_pd_inner"],
+# a pull name or the push name of this release, NixlConnector by default.
+INNER_KEY = "kvcached_pd_inner"
+
+
+def inner_connector_name(kv_transfer_config: Any) -> str:
+    """Which of vLLM's NIXL connectors ours composes: the routed name itself, or the one
+    the extra config names when ours is named directly."""
+    api = current()
+    served = api.pull_names + ((api.push_name,) if api.push_name else ())
+    name = getattr(kv_transfer_config, "kv_connector", None)
+    if name not in served:
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+        name = extra.get(INNER_KEY, "NixlConnector")
+    if name not in served:
+        raise ValueError(f"kv_connector_extra_config[{INNER_KEY!r}]={name!r}: vLLM "
+                         f"{installed_version('vllm')} offers {', '.join(served)}")
+    return name
+
+
+# vLLM 0.24+'s NIXL worker logs, at WARNING, each request whose blocks it frees at the
+# end of P's lease. In push mode kvcached-pd's connector frees a staged request's blocks
+# on D's DONE, long before; the inner connector's lease still runs out later and would
+# say so for every request (the connector drops that one line for its own requests).
+LEASE_EXPIRY_LOGGER = f"{NIXL_PACKAGE}.base_worker"
+LEASE_EXPIRY_MESSAGE = "Releasing expired KV blocks for request"
+
+
+def is_push(name: str) -> bool:
+    return name == current().push_name
+
+
+def inner_connector_class(name: str = "NixlConnector") -> type:
+    """vLLM's NIXL connector class ``name`` (a pull name or the push name)."""
+    return getattr(importlib.import_module(NIXL_PACKAGE), name)
 
 
 def yield_req_data(scheduler_output: Any):

@@ -31,20 +31,20 @@ def routing(monkeypatch):
     config.reset_settings_for_tests()
 
 
-def test_pull_names_build_kvcached_pd_connector_and_unpatch_restores(routing):
+def test_nixl_names_build_kvcached_pd_connector_and_unpatch_restores(routing):
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     from kvcached_pd.connector import KvcachedPDConnector
 
     inner = vllm_api.inner_connector_class()
-    names = vllm_api.current().pull_names
+    api = vllm_api.current()
+    names = api.pull_names + ((api.push_name,) if api.push_name else ())
     assert routing.applies()[0]
     assert routing.patch()
     for name in names:
         assert KVConnectorFactory.get_connector_class(_transfer_config(name)) is KvcachedPDConnector
-    push = vllm_api.current().push_name
-    if push:  # push mode is not the connector's
-        assert KVConnectorFactory.get_connector_class(_transfer_config(push)) is not KvcachedPDConnector
+        # the routed name decides which of vLLM's connectors it composes
+        assert vllm_api.inner_connector_name(_transfer_config(name)) == name
     assert routing.unpatch()
     for name in names:
         assert KVConnectorFactory.get_connector_class(_transfer_config(name)).__name__ != \

@@ -95,21 +95,32 @@ def test_explicit_staged_transport_serves_pull_on_every_release():
     assert "transport that will serve: staged" in report.stdout
 
 
-def test_explicit_staged_transport_for_push_serves_or_stops_startup():
-    """Push mode is staged by hooks into vLLM 0.24-0.28's push classes; asked for by
-    name on another release, startup stops rather than serve vLLM's per-block path
-    silently. Before 0.24 vLLM has no push connector and refuses the name itself."""
+def test_explicit_staged_transport_for_push_serves_everywhere_vllm_has_push():
+    """Push mode is kvcached-pd's connector's (inner NixlPushConnector) on every release
+    with a push connector (0.24-0.30). Before 0.24 vLLM has no push connector and
+    refuses the name itself."""
     env = dict(GOOD, KVCACHED_PD_TRANSPORT="staged", **kvcached_on_path())
     if push_name() is None:
         error = create("NixlPushConnector", **env)
         assert error is not None and "NixlPushConnector" in error
         return
+    assert create(push_name(), **env) is None
+
+
+def test_push_without_the_routing_is_staged_only_where_the_old_hooks_reach():
+    """With connector_routing disabled the older hooks stage push on vLLM 0.24-0.28;
+    asked for by name elsewhere, startup stops rather than serve vLLM's per-block
+    path silently."""
+    if push_name() is None:
+        return
+    env = dict(GOOD, KVCACHED_PD_TRANSPORT="staged", KVCACHED_PD_DISABLE="connector_routing",
+               **kvcached_on_path())
     error = create(push_name(), **env)
     if (0, 24) <= vllm_release()[:2] < (0, 29):
         assert error is None
     else:
         assert error is not None and "KVCACHED_PD_TRANSPORT=staged was asked for" in error
-        assert "push mode is staged on vLLM >=0.24,<0.29 only" in error
+        assert "connector_routing is disabled" in error
 
 
 def test_hybrid_model_is_refused_when_the_connector_is_created():
@@ -153,10 +164,9 @@ def test_staging_larger_than_the_device_stops_the_worker_connector():
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_contiguous_layout_is_allowed_only_where_the_staged_transport_serves(
         layout, transport, mode):
-    """kvcached's default layout (unset = contiguous) with the staged transport: pull is
-    kvcached-pd's connector's on every release; push is staged on vLLM 0.24-0.28 only,
-    and elsewhere only vLLM's per-block path exists, which would read other layers'
-    bytes, so startup stops."""
+    """kvcached's default layout (unset = contiguous) with the staged transport: pull
+    and push are kvcached-pd's connector's on every release that has them (push: 0.24+;
+    before, vLLM refuses the push name itself)."""
     env = {k: v for k, v in GOOD.items() if k != "KVCACHED_CONTIGUOUS_LAYOUT"}
     if layout is not None:
         env["KVCACHED_CONTIGUOUS_LAYOUT"] = layout
@@ -169,12 +179,7 @@ def test_contiguous_layout_is_allowed_only_where_the_staged_transport_serves(
         error = create("NixlPushConnector", **env, **kvcached_on_path())
         assert error is not None and "NixlPushConnector" in error  # vLLM's own refusal
         return
-    error = create(push_name(), **env, **kvcached_on_path())
-    if (0, 24) <= vllm_release()[:2] < (0, 29):
-        assert error is None
-    else:
-        assert error is not None and error.startswith("UnsupportedConfiguration")
-        assert "KVCACHED_CONTIGUOUS_LAYOUT" in error and "false" in error
+    assert create(push_name(), **env, **kvcached_on_path()) is None
 
 
 def test_kvcached_not_importable_stops_nixl_startup():

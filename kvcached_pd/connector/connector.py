@@ -1,8 +1,8 @@
 """``KvcachedPDConnector``: the staged transport as a vLLM KV connector.
 
-It implements vLLM's public ``KVConnectorBase_V1`` and composes an inner vLLM
-``NixlConnector`` through the same interface, the way vLLM's ``MultiConnector``
-composes connectors:
+It implements vLLM's public ``KVConnectorBase_V1`` and composes an inner vLLM NIXL
+connector (``NixlConnector``, or ``NixlPushConnector`` in push mode) through the same
+interface, the way vLLM's ``MultiConnector`` composes connectors:
 
 * requests whose peer is a kvcached-pd instance of the same wire and packed format
   move through the staged path (:mod:`.prefill`, :mod:`.decode`), with this
@@ -84,7 +84,10 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        self._inner = vllm_api.inner_connector_class()(vllm_config, role, kv_cache_config)
+        inner_name = vllm_api.inner_connector_name(vllm_config.kv_transfer_config)
+        self._push = vllm_api.is_push(inner_name)
+        self._inner = vllm_api.inner_connector_class(inner_name)(vllm_config, role,
+                                                                 kv_cache_config)
         self._kv_cache_config = kv_cache_config
         self._settings = config.settings()
         kv_transfer = vllm_config.kv_transfer_config
@@ -98,6 +101,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         self._region: StagingRegion | None = None
         self._listener: HandshakeListener | None = None
         self._invalid_blocks: set[int] = set()
+        self._lease_log_filter: logging.Filter | None = None
         if self._fmt is None:
             level = logging.WARNING if self._settings.active else logging.INFO
             logger.log(level, "kvcached-pd: the staged transport does not serve this engine "
@@ -122,7 +126,8 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                 lease_s=vllm_api.kv_lease_seconds(vllm_config))
         if plan.decode_bytes:
             self._decode = DecodeScheduler(digest=digest, block_size=block_size,
-                                           capacity_bytes=plan.decode_bytes, tp_size=tp)
+                                           capacity_bytes=plan.decode_bytes, tp_size=tp,
+                                           push=self._push)
 
     # ========================================================== scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
@@ -225,15 +230,21 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         if plan.prefill_bytes:
             self._prefill_worker = PrefillWorker(
                 self._region, sync_pack=getattr(self._vllm_config, "speculative_config",
-                                                None) is not None)
+                                                None) is not None, push=self._push,
+                horizon_s=2 * vllm_api.kv_lease_seconds(self._vllm_config) + 60)
+            if self._push:
+                self._lease_log_filter = _LeaseExpiryFilter(self._prefill_worker)
+                logging.getLogger(vllm_api.LEASE_EXPIRY_LOGGER).addFilter(
+                    self._lease_log_filter)
         if plan.decode_bytes:
             self._decode_worker = DecodeWorker(self._region,
                                                spin_s=self._settings.read_spin_us / 1e6)
         region = self._region
         logger.info(
-            "kvcached-pd: staged transport ready: %d MiB staging (%s; prefill %d MiB, decode "
+            "kvcached-pd: staged transport ready (%s mode, inner %s): %d MiB staging (%s; prefill %d MiB, decode "
             "%d MiB, %s) registered with its own NIXL agent, packed format %s, %d layers x "
-            "%d-token kernel blocks, pack/unpack kernels: %s", region.buffer.tensor.numel() >> 20,
+            "%d-token kernel blocks, pack/unpack kernels: %s", "push" if self._push else "pull",
+            type(self._inner).__name__, region.buffer.tensor.numel() >> 20,
             region.agent.memory_type, plan.prefill_bytes >> 20, plan.decode_bytes >> 20,
             plan.rule, self._fmt.to_dict(), region.layers.num_layers, region.kernel_block_size,
             kernels)
@@ -271,6 +282,8 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving = self._inner.get_finished(finished_req_ids)
+        if self._prefill_worker is not None:
+            sending = self._prefill_worker.finished_sending(sending)
         done, _ = self._poll_staged_loads()
         if done:
             recving = set(recving or ()) | done
@@ -280,6 +293,9 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM 0.30+ asks for this instead of ``get_finished``: the inner connector's
         results (its failed receives included) plus the staged loads that finished."""
         results = self._inner.get_transfer_results(finished_req_ids)
+        if self._prefill_worker is not None:
+            results.finished_sending = self._prefill_worker.finished_sending(
+                results.finished_sending)
         done, failed = self._poll_staged_loads()
         results.finished_recving |= done
         results.failed_recving |= failed
@@ -316,12 +332,31 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             self._inner.shutdown()
         finally:
+            if self._lease_log_filter is not None:
+                logging.getLogger(vllm_api.LEASE_EXPIRY_LOGGER).removeFilter(
+                    self._lease_log_filter)
             if self._listener is not None:
                 self._listener.close()
             if self._decode_worker is not None:
                 self._decode_worker.close()
             if self._region is not None:
                 self._region.agent.close()
+
+
+class _LeaseExpiryFilter(logging.Filter):
+    """Push mode: drops the inner connector's lease-expiry WARNING for requests whose
+    blocks the staged path already released on D's DONE (``PrefillWorker``); vLLM's
+    own requests keep it."""
+
+    def __init__(self, worker: PrefillWorker) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(vllm_api.LEASE_EXPIRY_MESSAGE):
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (args and self.worker.reported_early(str(args[0])))
 
 
 def _forward(name: str):
@@ -335,6 +370,8 @@ def _forward(name: str):
 
 def _forward_class(name: str):
     def method(cls, *args, **kwargs):
+        # class-level questions (the KV layout it requires, ...) have the same answer
+        # for vLLM's pull and push connectors: both inherit them from one base
         return getattr(vllm_api.inner_connector_class(), name)(*args, **kwargs)
 
     method.__name__ = name

@@ -13,6 +13,13 @@ Scheduler half (:class:`DecodeScheduler`), one call per vLLM hook:
   ``do_remote_prefill`` until then, so an abort at any point before it makes the inner
   connector notify P the same way (vLLM's path for requests aborted before scheduling).
 
+Push mode (the inner connector is vLLM's ``NixlPushConnector``): a staged request is
+READ the same way. D clears its ``do_remote_prefill`` once it has taken it, so the inner
+push connector never registers it with P (no ``PUSH_REG``, no per-block WRITE into
+kvcached memory); P frees its blocks on D's DONE (:mod:`.prefill`). A request aborted
+before its READ leaves P's blocks and extent to P's lease, as vLLM's push mode does
+for a decode request that never registers.
+
 Worker half (:class:`DecodeWorker`): ``start`` (``start_load_kv``) fetches P's rank
 handshake once per peer (checking wire version and format once), reserves an extent
 of D's staging (waiting for room when it is full, never falling back to the 0.5 GB/s
@@ -72,6 +79,7 @@ class DecodeScheduler:
     block_size: int
     capacity_bytes: int
     tp_size: int
+    push: bool = False  # the inner connector is vLLM's push connector (module docstring)
     pending: dict[str, _Pending] = field(default_factory=dict)
     orders: dict[str, RecvOrder] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
@@ -127,7 +135,11 @@ class DecodeScheduler:
             del self.pending[request.request_id]
             return False
         entry.blocks = blocks
-        if entry.params.block_size != self.block_size:
+        if self.push:
+            # the inner push connector must never register it with P (a PUSH_REG would
+            # make P WRITE its blocks into kvcached memory, the 0.5 GB/s path)
+            request.kv_transfer_params["do_remote_prefill"] = False
+        elif entry.params.block_size != self.block_size:
             self._leave_to_lease(entry)
         trace("d_alloc", request.request_id, remote_req=entry.params.request_id,
               tokens=int(num_external_tokens),
@@ -156,8 +168,8 @@ class DecodeScheduler:
             entry = self.pending.pop(req_id, None)
             if entry is None or entry.blocks is None:
                 continue
-            if entry.params.block_size != self.block_size:
-                continue  # P frees the blocks by its lease (_leave_to_lease)
+            if self.push or entry.params.block_size != self.block_size:
+                continue  # push: P frees them on DONE; P16/D32: by its lease
             handed.append((entry.request, entry.blocks))
         return handed
 
@@ -184,7 +196,7 @@ class DecodeScheduler:
             return
         if not entry.loading:
             del self.pending[request.request_id]
-            if entry.params.block_size != self.block_size:
+            if not self.push and entry.params.block_size != self.block_size:
                 self._leave_to_lease(entry)
         else:
             # vLLM keeps the blocks until the worker reports the load finished.

@@ -22,13 +22,13 @@ from kvcached_pd.patches.staged_transport import StagedTransportPatch
 PATCHES: tuple[Patch, ...] = (
     KvcachedCoexistencePatch(),
     ConnectorGuardPatch(),
-    ConnectorRoutingPatch(),  # pull mode: vLLM's factory builds kvcached-pd's connector
+    ConnectorRoutingPatch(),  # pull and push: vLLM's factory builds kvcached-pd's connector
     KvcachedAllocPatch(),
     KvcachedMrv2AllocPatch(),
     NixlLayoutPatch(),
     NixlRegistrationPatch(),
     PushPrefixAlignmentPatch(),  # before the staged hooks, which wrap the same method
-    StagedTransportPatch(),  # push mode on 0.24-0.28 (pull too when routing is disabled)
+    StagedTransportPatch(),  # the older hooks, 0.24-0.28, only with connector_routing disabled
     ConnectorMetricsPatch(),
 )
 

@@ -1,10 +1,11 @@
-"""Route ``"kv_connector": "NixlConnector"`` to kvcached-pd's connector.
+"""Route ``"kv_connector": "NixlConnector"`` (and ``NixlPushConnector``) to kvcached-pd's connector.
 
 With kvcached-pd active and the staged transport chosen, the operator's command line
-does not change: vLLM's connector factory resolves the pull-mode NIXL names of this
-release (``vllm_api.VllmApi.pull_names``: ``NixlConnector``, and ``NixlPullConnector``
-where vLLM has it) to :class:`kvcached_pd.connector.KvcachedPDConnector`, which
-composes vLLM's own ``NixlConnector`` for every peer it cannot stage. The connector can
+does not change: vLLM's connector factory resolves the NIXL names of this release
+(``vllm_api.VllmApi.pull_names``: ``NixlConnector``, and ``NixlPullConnector`` where
+vLLM has it; ``push_name``: ``NixlPushConnector`` on 0.24+) to
+:class:`kvcached_pd.connector.KvcachedPDConnector`, which composes vLLM's connector of
+that name for every peer it cannot stage. The connector can
 also be named directly (``kv_connector_module_path="kvcached_pd.connector"``,
 ``kv_connector="KvcachedPDConnector"``); routing is then a no-op.
 
@@ -30,7 +31,7 @@ ROUTED_RANGE = VersionRange("0.20", "0.31")  # the releases of vllm_api.RELEASES
 
 
 def routing_applies(settings: config.Settings) -> tuple[bool, str]:
-    """Whether the factory should build kvcached-pd's connector for the pull names."""
+    """Whether the factory should build kvcached-pd's connector for the NIXL names."""
     if not settings.active:
         return False, "kvcached-pd is not active"
     if settings.transport != "staged":
@@ -49,7 +50,8 @@ def _loader():
 class ConnectorRoutingPatch(Patch):
     name = "connector_routing"
     summary = ("KVCACHED_PD_TRANSPORT=staged: vLLM's factory builds KvcachedPDConnector for "
-               "the pull-mode NIXL names (it composes vLLM's NixlConnector for plain peers)")
+               "the NIXL names, pull and push (it composes vLLM's connector of that name "
+               "for plain peers)")
     target_module = vllm_api.FACTORY_MODULE
     vllm_range = ROUTED_RANGE
     fail_closed = True
@@ -63,7 +65,8 @@ class ConnectorRoutingPatch(Patch):
     def _apply(self) -> None:
         factory = importlib.import_module(vllm_api.FACTORY_MODULE).KVConnectorFactory
         registry = vars(factory)["_registry"]
-        names = vllm_api.current().pull_names
+        api = vllm_api.current()
+        names = api.pull_names + ((api.push_name,) if api.push_name else ())
         missing = [n for n in names if n not in registry]
         if missing:
             raise KeyError(f"vLLM's connector factory has no {missing}; known: "

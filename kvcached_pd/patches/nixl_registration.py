@@ -252,9 +252,10 @@ def _watch_nixl_wrapper(worker: Any, plan: RegistrationPlan) -> Iterator[None]:
 def staged_refusal(worker: Any) -> str | None:
     """Why the staged transport will not move this worker's KV, or None if it will.
 
-    Pull mode is kvcached-pd's connector's wherever the routing applies (this worker is
-    then its inner NixlConnector, which must never move KV itself); push mode is
-    staged by the hooks into vLLM 0.24-0.28's push classes."""
+    Pull and push mode are kvcached-pd's connector's wherever the routing applies (this
+    worker is then its inner NixlConnector or NixlPushConnector, which must never move
+    kvcached KV itself); with the routing disabled the older hooks stage both on vLLM
+    0.24-0.28."""
     from kvcached_pd.patches import get_patch
     from kvcached_pd.patches.connector_routing import ConnectorRoutingPatch
     from kvcached_pd.patches.staged_transport import StagedTransportPatch
@@ -265,12 +266,12 @@ def staged_refusal(worker: Any) -> str | None:
         return f"{config.KVCACHED_PD_TRANSPORT}={transport}"
     version = installed_version("vllm")
     push = "Push" in type(worker).__name__
-    if not push and get_patch(ConnectorRoutingPatch.name).is_patched():
-        pass  # kvcached-pd's connector stages pull mode on every release it knows
+    if get_patch(ConnectorRoutingPatch.name).is_patched():
+        pass  # kvcached-pd's connector stages both modes on every release it knows
     elif version is None or not StagedTransportPatch.vllm_range.contains(version):
         return (f"the staged transport serves {'push' if push else 'pull'} mode on vLLM "
-                f"{StagedTransportPatch.vllm_range if push else 'with the connector_routing patch'}"
-                f", not here (vLLM {version})")
+                f"{StagedTransportPatch.vllm_range} without the connector_routing patch, "
+                f"not here (vLLM {version})")
     elif not get_patch("staged_transport").is_patched():
         return "the staged_transport patch is not applied (KVCACHED_PD_DISABLE?)"
     if packed_format_for(worker.kv_cache_config, int(getattr(worker, "world_size", 1))) is None:

@@ -76,8 +76,12 @@ class StagedTransportPatch(Patch):
     fail_closed = True
 
     def applies(self, vllm_version: str | None = None) -> tuple[bool, str]:
+        from kvcached_pd.patches.connector_routing import routing_applies
+
         if not _enabled():
             return False, f"{config.KVCACHED_PD_TRANSPORT} is not 'staged'"
+        if routing_applies(self.settings)[0]:
+            return False, "kvcached-pd's connector serves pull and push (connector_routing)"
         return super().applies(vllm_version)
 
     def _apply(self) -> None:

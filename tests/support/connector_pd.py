@@ -28,16 +28,24 @@ MODULE_PATH = "kvcached_pd.connector"
 
 
 def connector_config(kv_role: str, block_size: int, num_blocks: int, staged: bool = True,
-                     engine_id: str | None = None):
+                     engine_id: str | None = None, inner: str = "NixlConnector",
+                     extra: dict | None = None):
+    """``inner``: vLLM's NIXL connector, plain or inside kvcached-pd's (push mode:
+    ``NixlPushConnector``); ``extra``: its kv_connector_extra_config."""
     from vllm.config import KVTransferConfig
 
-    config = vw.make_vllm_config(_model_dir(), block_size=block_size, kv_role=kv_role)
+    config = vw.make_vllm_config(_model_dir(), block_size=block_size, kv_role=kv_role,
+                                 connector=inner)
     if staged:
         config.kv_transfer_config = KVTransferConfig(
             kv_connector="KvcachedPDConnector", kv_connector_module_path=MODULE_PATH,
-            kv_role=kv_role, kv_buffer_device="cpu", engine_id=engine_id)
-    elif engine_id:
-        config.kv_transfer_config.engine_id = engine_id
+            kv_role=kv_role, kv_buffer_device="cpu", engine_id=engine_id,
+            kv_connector_extra_config={"kvcached_pd_inner": inner, **(extra or {})})
+    else:
+        if engine_id:
+            config.kv_transfer_config.engine_id = engine_id
+        if extra:
+            config.kv_transfer_config.kv_connector_extra_config = dict(extra)
     config.scheduler_config.async_scheduling = True
     config.cache_config.enable_prefix_caching = False
     config.cache_config.num_gpu_blocks = num_blocks
@@ -141,7 +149,8 @@ class Engine:
 
 def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int = 40,
                 seed: int = 0, staged: bool = True, side_channel_port: int = 0,
-                caches: list[torch.Tensor] | None = None) -> Engine:
+                caches: list[torch.Tensor] | None = None, inner: str = "NixlConnector",
+                extra: dict | None = None) -> Engine:
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -149,7 +158,7 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
     from vllm.v1.structured_output import StructuredOutputManager
 
     engine_id = f"{name}-{os.getpid()}-{time.monotonic_ns()}"
-    config = connector_config(kv_role, block_size, num_blocks, staged, engine_id)
+    config = connector_config(kv_role, block_size, num_blocks, staged, engine_id, inner, extra)
     vw.ensure_distributed(config)
     vw.forget_resolved_layout()
     try:  # vLLM 0.29+: the EngineCore resolves the KV layout once, before allocating
