@@ -25,6 +25,14 @@
 #   PART h: equivalence again for the modes part e found broken (mixed fleets, P16/D32).
 #   PART g: UCX faults (every 8th transfer fails, both sides), D killed 1 s into a
 #           128-request load, the kvbig TTFT batch (8 x 3000 tokens) with one load run.
+#   PART j/k/l (2026-11-24, push mode served by kvcached-pd's connector): j: equivalence
+#           with D's prefix cache (reference, vanilla, staged and push on kvcached's
+#           default layout, vLLM's push without kvcached, the negative control) and the
+#           94 MiB single-request benchmark; k: the issue's aborts x5 (vanilla, connector
+#           pull, connector push); l: D killed 1 s into a 128-request load (pull and
+#           push), UCX faults on both sides (every 8th transfer), the kvbig TTFT batch.
+#   KVPD_GPUS="P D" picks the GPUs (default "0 1"); "0 0" runs P and D on one GPU (the
+#   single-GPU machines; kvcached lets the instances share it).
 # Each part leaves in OUT: PART-RUN.tar.gz per run (its tree, logs included), each run's
 # summary as RUN-summary.txt, commit.txt (<= 8 files, as the host hands back).
 set -uo pipefail
@@ -37,6 +45,8 @@ W=/tmp/kvpd-traffic-$PART-$(date +%H%M%S)
 mkdir -p "$W"
 T0=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - T0) )); }
+read -r P_GPU D_GPU <<< "${KVPD_GPUS:-0 1}"
+GPU_ARGS=(--prefill-gpu "$P_GPU" --decode-gpu "$D_GPU")
 
 if ! python3 -c "import vllm, kvcached.integration.vllm.interfaces, kvcached_pd" 2>/dev/null; then
   bash "$HERE/gpu_host/install_on_host.sh" > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
@@ -109,6 +119,36 @@ h)  # the modes part e failed before SupportsHMA and P's block size (commit 946c
     kvcached-pd-staged mixed-p mixed-d blocksize --model /tmp/tiny --parallel 5 \
     --deadline-s $(( $(left 560) - 30 )) --extra-serve-args=--enable-prefix-caching
   echo "rc equivalence=$?"
+  ;;
+j)
+  timeout $(( $(left 560) - 150 )) bash "$HERE/equivalence.sh" "$W/eq" reference vanilla \
+    staged-contiguous push-contiguous push-vanilla negative --model /tmp/tiny --parallel 2 \
+    --deadline-s $(( $(left 560) - 170 )) --extra-serve-args=--enable-prefix-caching \
+    "${GPU_ARGS[@]}" --single-gpu "$P_GPU"
+  echo "rc equivalence=$?"
+  python3 "$HERE/bench_transfer.py" --out "$W/bench" --model /tmp/tiny --max-model-len 4096 \
+    --sizes 94 --ttft-batch 0 --modes vanilla,staged-contiguous,push-contiguous \
+    --deadline-s $(( $(left 560) - 15 )) "${GPU_ARGS[@]}"
+  echo "rc bench=$?"
+  ;;
+k)
+  TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/aborts" \
+    --model /tmp/tiny --issue-aborts --repeats 5 "${GPU_ARGS[@]}"
+  echo "rc aborts=$?"
+  ;;
+l)
+  TRAFFIC_BUDGET_S=$(( $(left 560) / 3 )) bash "$HERE/traffic.sh" "$W/kill" \
+    --model /tmp/tiny --modes kvpd-staged,kvpd-push --requests 128 --kill decode \
+    --kill-at-s 1 "${GPU_ARGS[@]}"
+  echo "rc kill=$?"
+  TRAFFIC_BUDGET_S=$(( $(left 560) / 2 )) bash "$HERE/traffic.sh" "$W/ucxfault" \
+    --model /tmp/tiny --repeats 1 --ucx-fault-lib kvpd --ucx-fault-on both \
+    --ucx-fault-every 8 "${GPU_ARGS[@]}"
+  echo "rc ucxfault=$?"
+  TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/kvbig" \
+    --model /tmp/kvbig --repeats 1 --ttft-batch 8 --ttft-prompt-tokens 3000 --trace \
+    "${GPU_ARGS[@]}"
+  echo "rc kvbig=$?"
   ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
