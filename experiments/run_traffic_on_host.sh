@@ -31,6 +31,8 @@
 #           94 MiB single-request benchmark; k: the aborts x5 (vanilla, connector
 #           pull, connector push); l: D killed 1 s into a 128-request load (pull and
 #           push), UCX faults on both sides (every 8th transfer), the kvbig TTFT batch.
+#   PART m/n: what l and j found no time for: the kill run alone; vLLM's push without
+#           kvcached and the negative control.
 #   KVPD_GPUS="P D" picks the GPUs (default "0 1"); "0 0" runs P and D on one GPU (the
 #   single-GPU machines; kvcached lets the instances share it).
 # Each part leaves in OUT: PART-RUN.tar.gz per run (its tree, logs included), each run's
@@ -149,6 +151,18 @@ l)
     --model /tmp/kvbig --repeats 1 --ttft-batch 8 --ttft-prompt-tokens 3000 --trace \
     "${GPU_ARGS[@]}"
   echo "rc kvbig=$?"
+  ;;
+m)  # part l's kill run found no time left after the reference (one GPU: slow starts)
+  TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/kill" \
+    --model /tmp/tiny --modes kvpd-staged,kvpd-push --requests 64 --kill decode \
+    --kill-at-s 1 "${GPU_ARGS[@]}"
+  echo "rc kill=$?"
+  ;;
+n)  # part j's modes that found no time left
+  timeout $(( $(left 560) - 10 )) bash "$HERE/equivalence.sh" "$W/eq" reference push-vanilla \
+    negative --model /tmp/tiny --parallel 2 --deadline-s $(( $(left 560) - 30 )) \
+    --extra-serve-args=--enable-prefix-caching "${GPU_ARGS[@]}" --single-gpu "$P_GPU"
+  echo "rc equivalence=$?"
   ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

@@ -15,8 +15,8 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VLLM=${VLLM_VERSION:-0.26.0}
 REQS="$HERE/host-requirements-vllm-$VLLM.txt"
 [ -f "$REQS" ] || { echo "no $REQS: only vLLM versions with a requirements list are supported" >&2; exit 2; }
-PART_MIB=57   # vLLM wheel parts
-FOLDER_MIB=60 # small files per folder
+PART_MIB=${PART_MIB:-57}   # vLLM wheel parts (the checkout travels too: lower both when it grows)
+FOLDER_MIB=${FOLDER_MIB:-60} # small files per folder
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
