@@ -107,31 +107,36 @@ def test_serving_transport_names_the_path_per_connector():
     assert checks.serving_transport(s, version, "NixlConnector")[0] == "staged"
     assert checks.serving_transport(s, version, None)[0] == "staged"
     assert checks.serving_transport(s, "0.19.0", "NixlConnector")[0] == "direct"
-    if api.push_name:
+    if api.push_name:  # the connector serves push wherever vLLM has it
         transport, why = checks.serving_transport(s, version, api.push_name)
-        in_hooks = (0, 24) <= tuple(int(x) for x in version.split(".")[:2]) < (0, 29)
-        assert transport == ("staged" if in_hooks else "direct"), why
+        assert transport == "staged", why
     off = _settings(KVCACHED_PD_TRANSPORT="staged", KVCACHED_PD_DISABLE="connector_routing")
     assert off.disabled_patches == frozenset({"connector_routing"})
-    hooks_pull = (0, 24) <= tuple(int(x) for x in version.split(".")[:2]) < (0, 29)
-    assert checks.serving_transport(off, version, "NixlConnector")[0] == (
-        "staged" if hooks_pull else "direct")
+    hooks = (0, 24) <= tuple(int(x) for x in version.split(".")[:2]) < (0, 29)
+    for name in (("NixlConnector",) + ((api.push_name,) if api.push_name else ())):
+        assert checks.serving_transport(off, version, name)[0] == (
+            "staged" if hooks else "direct")
 
 
-def test_explicit_staged_push_where_only_pull_is_staged_is_refused():
-    """On a release whose push classes the hooks do not know (0.29+), an operator who
-    asked for the staged transport by name and runs NixlPushConnector is refused;
-    with kvcached's contiguous layout even the default refuses, since the direct path
-    would address the wrong bytes."""
+def test_explicit_staged_push_without_the_routing_is_refused_outside_the_hooks():
+    """Without the connector routing only the older hooks stage, on vLLM 0.24-0.28; on
+    0.29+ an operator who asked for the staged transport by name is refused (pull and
+    push), and kvcached's contiguous layout is refused even by default, since the
+    direct path would address the wrong bytes. With the routing, both modes serve."""
     version = installed_version("vllm")
     api = vllm_api.current()
     explicit = _settings(KVCACHED_PD_TRANSPORT="staged")
     assert explicit.transport_explicit
     assert checks.transport_problems(explicit, version, "NixlConnector") == []
-    if not api.push_name or (0, 24) <= tuple(int(x) for x in version.split(".")[:2]) < (0, 29):
-        pytest.skip(f"vLLM {version}: push is staged here, or there is no push mode")
-    problems = checks.transport_problems(explicit, version, api.push_name)
-    assert problems and "push mode is staged on vLLM" in problems[0]
     env = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_PD="1")
-    assert checks.contiguous_layout_problem(env, api.push_name)
+    if api.push_name:
+        assert checks.transport_problems(explicit, version, api.push_name) == []
+        assert checks.contiguous_layout_problem(env, api.push_name) is None
     assert checks.contiguous_layout_problem(env, "NixlConnector") is None
+    if not api.push_name or (0, 24) <= tuple(int(x) for x in version.split(".")[:2]) < (0, 29):
+        return  # no push mode, or the hooks serve both modes without the routing here
+    off = _settings(KVCACHED_PD_TRANSPORT="staged", KVCACHED_PD_DISABLE="connector_routing")
+    problems = checks.transport_problems(off, version, api.push_name)
+    assert problems and "connector_routing is disabled" in problems[0]
+    assert checks.contiguous_layout_problem(dict(env, KVCACHED_PD_DISABLE="connector_routing"),
+                                            api.push_name)
