@@ -251,3 +251,98 @@ def test_decode_waits_within_the_step_for_a_read_about_to_end(staged_env, spin_s
     worker.poll = poll
     handoff(p, d, "r1", list(range(1, 45)))
     assert first_polls == [("d-r1", spin_s > 0)]
+
+
+@pytest.mark.parametrize("inner", ["NixlConnector", "NixlPushConnector"])
+def test_many_aborts_on_both_sides_leak_nothing(staged_env, monkeypatch, inner):
+    """Rounds of mixed-length requests through P and D, P's staging small enough that
+    prefills wait for room and long prompts chunked, aborts on P (waiting for room, mid
+    prefill) and on D (before scheduling, with the READ in flight, while decoding):
+    every request that completes has P's KV exactly, D stays alive, and at the end
+    neither side holds a request, a block, or a byte of staging. Push mode frees what a
+    D-side abort left on P at P's KV lease (6 s here), as vLLM's push does."""
+    from vllm.v1.request import RequestStatus
+
+    from kvcached_pd import vllm_api
+
+    if inner != "NixlConnector" and vllm_api.current().push_name != inner:
+        pytest.skip("vLLM has push mode (NixlPushConnector) from 0.24 on")
+    monkeypatch.setenv("KVCACHED_PD_STAGING_MB", "4")  # ~2 x 1300-token extents
+    lease = 6
+    p = pd.make_engine("p", "kv_producer", seed=31, num_blocks=600, inner=inner,
+                       extra={"kv_lease_duration": lease})
+    d = pd.make_engine("d", "kv_consumer", seed=32, num_blocks=600, inner=inner,
+                       extra={"kv_lease_duration": lease})
+    p.sched.max_num_scheduled_tokens = 512  # long prompts are prefilled in chunks
+    p.sched.scheduler_config.max_num_batched_tokens = 512
+    prompts, p_blocks, checked, aborted, waited = {}, {}, set(), set(), set()
+    mid_prefill_aborts: list[str] = []
+    try:
+        for round_ in range(6):
+            ids = [f"r{round_}-{i}" for i in range(4)]
+            for i, req_id in enumerate(ids):
+                prompts[req_id] = [(round_ * 7 + i + t) % 500 + 1
+                                   for t in range(100 + 400 * i + 13 * round_)]
+                p.sched.add_request(pd.prefill_request(req_id, prompts[req_id]))
+            p.step()
+            if round_ % 2:  # on P: one mid-prefill (its extent reserved), one waiting for room
+                prefill = p.connector._prefill
+                mid = [r for r in ids if r in prefill.staged and prefill.staged[r].order is None]
+                victims = mid[:1] + [r for r in ids if r in prefill.waiting][:1]
+                assert victims, "nothing on P to abort mid-prefill or waiting"
+                p.sched.finish_requests(victims, RequestStatus.FINISHED_ABORTED)
+                aborted.update(victims)
+                mid_prefill_aborts.extend(mid[:1])
+            sent = set()
+
+            def forward():
+                waited.update(p.connector._prefill.waiting)
+                for req_id in ids:
+                    out = p.outputs.get(req_id)
+                    if out is not None and req_id not in sent:
+                        sent.add(req_id)
+                        params = out.kv_transfer_params
+                        assert PARAMS_KEY in params, "P sent a request without staging"
+                        got = params["remote_block_ids"]
+                        p_blocks[req_id] = list(got[0] if isinstance(got[0], list) else got)
+                        d.sched.add_request(pd.decode_request(req_id, prompts[req_id], params))
+                        if (round_ + ids.index(req_id)) % 3 == 0:  # on D, before scheduling
+                            d.sched.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+                            aborted.add(req_id)
+                    elif req_id in sent and req_id not in checked | aborted and loaded(d, req_id):
+                        n = len(prompts[req_id])
+                        want = p.tokens(p_blocks[req_id], n)
+                        got_kv = d.tokens(d.blocks_of(req_id), n)
+                        for layer, (a, b) in enumerate(zip(want, got_kv)):
+                            assert torch_equal(a, b), f"{req_id}: layer {layer} differs"
+                        checked.add(req_id)
+                        if round_ % 3 == 1:  # on D, while decoding
+                            d.sched.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+                            aborted.add(req_id)
+                    elif req_id in sent and req_id not in aborted and round_ % 3 == 2 and \
+                            d.sched.requests.get(req_id) is not None and \
+                            d.worker._decode_worker.inflight.get(req_id) is not None:
+                        d.sched.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+                        aborted.add(req_id)  # on D, with its READ in flight
+                return all(r in aborted or (r in d.outputs and d.outputs[r].finished)
+                           for r in ids if r in sent) and \
+                    all(r in sent or r in aborted for r in ids)
+
+            assert pd.run([p, d], forward, timeout_s=60), (
+                f"round {round_} never finished: sent {sorted(sent)}, aborted "
+                f"{sorted(aborted & set(ids))}, P has {sorted(p.sched.requests)}, D has "
+                f"{ {r: str(q.status) for r, q in d.sched.requests.items()} }, P waits "
+                f"{sorted(p.connector._prefill.waiting)}")
+        assert pd.run([p, d], lambda: not p.sched.requests and not d.sched.requests
+                      and staging_used(p) == 0 and staging_used(d) == 0
+                      and not p.connector._prefill.staged, timeout_s=lease + 15), (
+            f"left behind: P {sorted(p.sched.requests)}, D {sorted(d.sched.requests)}, "
+            f"P extents {sorted(p.connector._prefill.staged)}, staging P "
+            f"{staging_used(p)} D {staging_used(d)}")
+        assert waited, "no prefill ever waited for room"
+        assert not d.connector._decode.refused_peers  # no request left the staged path
+        assert len(aborted) >= 8 and len(checked) >= 6, (len(aborted), len(checked))
+        assert mid_prefill_aborts, "no prefill was aborted with its extent reserved"
+    finally:
+        for engine in (p, d):
+            engine.worker.shutdown()

@@ -98,8 +98,13 @@ class DecodeScheduler:
             self._refuse(str(params.get("remote_engine_id")), str(exc))
             return None
         if staged is None:
-            self._refuse(str(params.get("remote_engine_id")), "it is not a kvcached-pd "
-                         "prefill (no staged extent in its kv_transfer_params)")
+            reason = ("it is not a kvcached-pd prefill (no staged extent in its "
+                      "kv_transfer_params)")
+            if self.push:
+                reason += (", or the proxy sent the decode leg before P answered (push "
+                           "mode with concurrent legs: vLLM's per-block WRITE into this "
+                           "instance's memory, the slow path with kvcached)")
+            self._refuse(str(params.get("remote_engine_id")), reason)
             return None
         reason = None
         if staged.wire_version not in COMPATIBLE_WIRE_VERSIONS:

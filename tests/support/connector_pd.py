@@ -114,7 +114,8 @@ class Engine:
         req_ids = list(out.num_scheduled_tokens)
         runner = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids], logprobs=None, prompt_logprobs_dict={},
+            sampled_token_ids=[self._sampled(r) for r in req_ids], logprobs=None,
+            prompt_logprobs_dict={},
             pooler_output=None, kv_connector_output=kv_out)
         results = self.sched.update_from_output(out, runner)
         for eco in results.values():
@@ -124,6 +125,14 @@ class Engine:
             for o in eco.outputs:
                 self.outputs[o.request_id] = o
         return out
+
+    def _sampled(self, req_id: str) -> list[int]:
+        """What the model runner samples: nothing for a prefill chunk that does not
+        complete the prompt (vLLM discards it), one token otherwise."""
+        req = self.sched.requests.get(req_id)
+        if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
+            return []
+        return [7]
 
     def series(self, key: str) -> list[float]:
         """Every sample of one stats key the scheduler reported so far."""
