@@ -241,8 +241,9 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                                                spin_s=self._settings.read_spin_us / 1e6)
         region = self._region
         logger.info(
-            "kvcached-pd: staged transport ready (%s mode, inner %s): %d MiB staging (%s; prefill %d MiB, decode "
-            "%d MiB, %s) registered with its own NIXL agent, packed format %s, %d layers x "
+            "kvcached-pd: staged transport ready (%s mode, inner %s): %d MiB staging (%s; "
+            "prefill %d MiB, decode %d MiB, %s) registered with its own NIXL agent, packed "
+            "format %s, %d layers x "
             "%d-token kernel blocks, pack/unpack kernels: %s", "push" if self._push else "pull",
             type(self._inner).__name__, region.buffer.tensor.numel() >> 20,
             region.agent.memory_type, plan.prefill_bytes >> 20, plan.decode_bytes >> 20,
