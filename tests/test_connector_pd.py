@@ -259,8 +259,9 @@ def test_many_aborts_on_both_sides_leak_nothing(staged_env, monkeypatch, inner):
     prefills wait for room and long prompts chunked, aborts on P (waiting for room, mid
     prefill) and on D (before scheduling, with the READ in flight, while decoding):
     every request that completes has P's KV exactly, D stays alive, and at the end
-    neither side holds a request, a block, or a byte of staging. Push mode frees what a
-    D-side abort left on P at P's KV lease (6 s here), as vLLM's push does."""
+    neither side holds a request, a block, or a byte of staging. Pull mode must settle
+    by notifications, well inside P's 30 s KV lease; push mode frees what a D-side
+    abort left on P at that lease (10 s here), as vLLM's push does."""
     from vllm.v1.request import RequestStatus
 
     from kvcached_pd import vllm_api
@@ -268,11 +269,12 @@ def test_many_aborts_on_both_sides_leak_nothing(staged_env, monkeypatch, inner):
     if inner != "NixlConnector" and vllm_api.current().push_name != inner:
         pytest.skip("vLLM has push mode (NixlPushConnector) from 0.24 on")
     monkeypatch.setenv("KVCACHED_PD_STAGING_MB", "4")  # ~2 x 1300-token extents
-    lease = 6
+    lease = 30 if inner == "NixlConnector" else 10
     p = pd.make_engine("p", "kv_producer", seed=31, num_blocks=600, inner=inner,
                        extra={"kv_lease_duration": lease})
     d = pd.make_engine("d", "kv_consumer", seed=32, num_blocks=600, inner=inner,
                        extra={"kv_lease_duration": lease})
+    settle_s = 15 if inner == "NixlConnector" else lease + 15
     p.sched.max_num_scheduled_tokens = 512  # long prompts are prefilled in chunks
     p.sched.scheduler_config.max_num_batched_tokens = 512
     prompts, p_blocks, checked, aborted, waited = {}, {}, set(), set(), set()
@@ -335,7 +337,7 @@ def test_many_aborts_on_both_sides_leak_nothing(staged_env, monkeypatch, inner):
                 f"{sorted(p.connector._prefill.waiting)}")
         assert pd.run([p, d], lambda: not p.sched.requests and not d.sched.requests
                       and staging_used(p) == 0 and staging_used(d) == 0
-                      and not p.connector._prefill.staged, timeout_s=lease + 15), (
+                      and not p.connector._prefill.staged, timeout_s=settle_s), (
             f"left behind: P {sorted(p.sched.requests)}, D {sorted(d.sched.requests)}, "
             f"P extents {sorted(p.connector._prefill.staged)}, staging P "
             f"{staging_used(p)} D {staging_used(d)}")
