@@ -130,8 +130,7 @@ def serving_transport(settings: config.Settings, vllm_version: str | None,
     if api is None:
         return "direct", (f"kvcached-pd's connector knows vLLM {vllm_api.SUPPORTED} only; "
                           f"vLLM here: {vllm_version or 'not installed'}")
-    names = api.pull_names + ((api.push_name,) if api.push_name else ())
-    if connector is not None and connector not in names + (vllm_api.CONNECTOR_CLASS,):
+    if connector is not None and connector not in api.nixl_names + (vllm_api.CONNECTOR_CLASS,):
         return "vLLM's own", f"kv_connector {connector} is not a NIXL connector kvcached-pd serves"
     routed = ConnectorRoutingPatch.name not in settings.disabled_patches
     if not routed:

@@ -48,6 +48,11 @@ class VllmApi:
     # KVConnectorBase_V1.__init__ takes kv_cache_config (optional before 0.21)
     init_takes_kv_cache_config: str  # "optional" or "required"
 
+    @property
+    def nixl_names(self) -> tuple[str, ...]:
+        """Every NIXL connector name of this release kvcached-pd's connector serves."""
+        return self.pull_names + ((self.push_name,) if self.push_name else ())
+
     def contains(self, version: str) -> bool:
         release = Version(".".join(str(p) for p in parse_release(version)))
         return release in SpecifierSet(self.releases)
@@ -104,8 +109,7 @@ INNER_KEY = "kvcached_pd_inner"
 def inner_connector_name(kv_transfer_config: Any) -> str:
     """Which of vLLM's NIXL connectors ours composes: the routed name itself, or the one
     the extra config names when ours is named directly."""
-    api = current()
-    served = api.pull_names + ((api.push_name,) if api.push_name else ())
+    served = current().nixl_names
     name = getattr(kv_transfer_config, "kv_connector", None)
     if name not in served:
         extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}

@@ -9,6 +9,7 @@ import pytest
 from kvcached_pd import checks, config, vllm_api
 from kvcached_pd.connector.wire import PARAMS_KEY
 from kvcached_pd.versions import installed_version
+from tests.conftest import vllm_release
 from tests.support import connector_pd as pd
 
 
@@ -38,9 +39,11 @@ def test_nixl_names_build_kvcached_pd_connector_and_unpatch_restores(routing):
 
     inner = vllm_api.inner_connector_class()
     api = vllm_api.current()
-    names = api.pull_names + ((api.push_name,) if api.push_name else ())
+    names = api.nixl_names
     assert routing.applies()[0]
     assert routing.patch()
+    if vllm_release() >= (0, 24):  # push mode is routed too, spelled out here
+        assert "NixlPushConnector" in names
     for name in names:
         assert KVConnectorFactory.get_connector_class(_transfer_config(name)) is KvcachedPDConnector
         # the routed name decides which of vLLM's connectors it composes

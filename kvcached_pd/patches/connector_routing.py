@@ -65,8 +65,7 @@ class ConnectorRoutingPatch(Patch):
     def _apply(self) -> None:
         factory = importlib.import_module(vllm_api.FACTORY_MODULE).KVConnectorFactory
         registry = vars(factory)["_registry"]
-        api = vllm_api.current()
-        names = api.pull_names + ((api.push_name,) if api.push_name else ())
+        names = vllm_api.current().nixl_names
         missing = [n for n in names if n not in registry]
         if missing:
             raise KeyError(f"vLLM's connector factory has no {missing}; known: "
