@@ -218,6 +218,10 @@ class LoadHarness:
                 cmd = [sys.executable, os.path.join(HERE, "pd_proxy.py"), "--port", str(port),
                        "--prefill", run.base("prefill"), "--decode", run.base("decode"),
                        "--timeout", str(a.request_timeout)]
+                if run.mode.connector == "NixlPushConnector" and a.push_concurrent:
+                    p = run.ports["prefill"]
+                    cmd += ["--push-concurrent", "--prefill-engine-id", p["engine_id"],
+                            "--prefill-side-channel-port", str(p["side_channel"])]
                 run.proxy = ManagedProcess(f"{run.mode.name}/proxy", cmd, neutral_env(),
                                            os.path.join(self.logs, f"{run.mode.name}-proxy.log"),
                                            f"http://127.0.0.1:{port}/healthz")
@@ -840,6 +844,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "waits it out before the staging check")
     ap.add_argument("--settle-s", type=float, default=10.0,
                     help="how long staging may take to drain once the requests are done")
+    ap.add_argument("--push-concurrent", action="store_true",
+                    help="push modes: the proxy sends both legs at once, D's before P answered "
+                         "(default: P first)")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="VLLM_BATCH_INVARIANT=1 on every instance: concurrent greedy outputs "
                          "independent of batch composition (else PD and the reference may "
