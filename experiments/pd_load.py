@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 from load_checks import (ABSENT, FAIL, NA, PASS, check_alive, check_kv_loaded, check_outputs,
                          check_requests, check_staging, latency_stats, ms, staging_expected,
                          verdict_of)
+from gpu_memory import compute_apps_mib, instance_memory
 from load_client import AbortPlan, completion_body, run_load, stream_completion
 from pd_common import (M, Deadline, MetricSnapshot, Prompt, get, load_prompts, log,
                        make_prompt_text, metric_delta, post_json, scrape_metrics, write_json)
@@ -218,6 +219,10 @@ class LoadHarness:
                 cmd = [sys.executable, os.path.join(HERE, "pd_proxy.py"), "--port", str(port),
                        "--prefill", run.base("prefill"), "--decode", run.base("decode"),
                        "--timeout", str(a.request_timeout)]
+                if run.mode.connector == "NixlPushConnector" and a.push_concurrent:
+                    p = run.ports["prefill"]
+                    cmd += ["--push-concurrent", "--prefill-engine-id", p["engine_id"],
+                            "--prefill-side-channel-port", str(p["side_channel"])]
                 run.proxy = ManagedProcess(f"{run.mode.name}/proxy", cmd, neutral_env(),
                                            os.path.join(self.logs, f"{run.mode.name}-proxy.log"),
                                            f"http://127.0.0.1:{port}/healthz")
@@ -276,9 +281,23 @@ class LoadHarness:
         except ValueError:
             return {}
 
+    def memory(self, run: ModeRun) -> dict[str, dict]:
+        """Each live instance's GPU memory (``gpu_memory``) and its staging size."""
+        apps = compute_apps_mib()
+        readings = {}
+        for role, proc in run.instances.items():
+            if not proc.alive():
+                continue
+            ipc = run.ports[role]["env"].get("KVCACHED_IPC_NAME")
+            reading = instance_memory(proc.proc.pid if proc.proc else None, ipc, apps)
+            reading["staging_mib"] = staging_mib(proc.log_path)
+            readings[role] = reading
+        return readings
+
     # ---- one load of one mode --------------------------------------------------------
     def one_repeat(self, run: ModeRun, index: int, kill: bool) -> dict:
         a = self.a
+        memory = {"before": self.memory(run)}
         before = self.scrape(run)
         proxy_before = self.proxy_stats(run)
         timer = None
@@ -315,6 +334,7 @@ class LoadHarness:
             time.sleep(0.1)
         d_after_load = scrape_metrics(run.base("decode")) \
             if run.instances["decode"].alive() else None
+        memory["after_load"] = self.memory(run)
         if kill:  # after D's counters are read: the probes make D compute prompts itself
             checks["survivor"] = self.survivor_check(run)
         window = a.settle_s
@@ -332,6 +352,7 @@ class LoadHarness:
         if self.aborts is not None and final:
             window = max(window, a.kv_lease_s + 15)
         readings = self.settle_staging(run, window)
+        memory["idle"] = self.memory(run)
         after = self.scrape(run)
         checks["outputs"] = check_outputs(requests, self.reference, self.faulty)
         checks["requests"] = check_requests(requests, self.faulty)
@@ -367,6 +388,7 @@ class LoadHarness:
         rep["proxy_client_gone"] = {leg: stats.get(f"client_gone_{leg}", 0)
                                     - proxy_before.get(f"client_gone_{leg}", 0)
                                     for leg in ("prefill", "decode")} if stats else None
+        rep["memory"] = memory
         rep["latency"] = latency_stats(requests)
         rep["verdict"] = verdict_of(checks)
         rep["requests"] = requests
@@ -608,6 +630,7 @@ class LoadHarness:
             "latency": latency_stats(pooled),
             "ttft_batch": run.ttft["latency"] if run.ttft else None,
             "kvcached_pd": evidence,
+            "memory": reps[-1].get("memory") if reps else None,
         }
 
     def write(self) -> dict:
@@ -737,6 +760,9 @@ def render_summary(doc: dict) -> str:
                      f"{_f(v.get('latency.ttft_p50_ms'), 2):>6} "
                      f"{_f(v.get('latency.prefill_p50_ms'), 2):>5} "
                      f"{_f(v.get('latency.decode_p50_ms'), 2):>5}")
+    mem_lines = render_memory(doc)
+    if mem_lines:
+        lines += [""] + mem_lines
     if any(r.get("ttft_batch") for r in doc["modes"].values()):
         lines += ["", "TTFT batch (concurrent long prompts), ms:"]
         for name, r in doc["modes"].items():
@@ -754,6 +780,53 @@ def render_summary(doc: dict) -> str:
     if doc.get("timeline"):
         lines += ["", doc["timeline"].rstrip("\n")]
     return "\n".join(lines) + "\n"
+
+
+def render_memory(doc: dict) -> list[str]:
+    """Per instance of each mode, from its last repeat: device memory (MiB) before the
+    load, right after it, and once idle (after the settle window); kvcached's mapped KV
+    (in use + mapped ahead, MiB) at the same points; the staging region."""
+    rows = []
+    for name, r in doc["modes"].items():
+        mem = r.get("memory")
+        if not mem:
+            continue
+        for role in ("prefill", "decode"):
+            points = [mem.get(p, {}).get(role) for p in ("before", "after_load", "idle")]
+            if not any(points):
+                continue
+
+            def dev(x):
+                return "-" if not x or x.get("device_mib") is None else f"{x['device_mib']:.0f}"
+
+            def kv(x):
+                k = (x or {}).get("kvcached")
+                return "-" if not k else f"{k['used'] / 2**20:.0f}+{k['prealloc'] / 2**20:.0f}"
+            staging = next((p["staging_mib"] for p in points if p and p.get("staging_mib")), None)
+            rows.append(f"  {name:<14} {role:<8} {' / '.join(dev(p) for p in points):>22}  "
+                        f"{' / '.join(kv(p) for p in points):>26}  "
+                        f"{'-' if staging is None else staging:>8}")
+    if not rows:
+        return []
+    return ["GPU memory per instance, last repeat (before load / after load / idle):",
+            f"  {'mode':<14} {'role':<8} {'device MiB':>22}  "
+            f"{'kvcached KV MiB (in use+ahead)':>26}  {'staging':>8}"] + rows
+
+
+_STAGING_LINE = re.compile(r"kvcached-pd: staged transport ready .*?: (\d+) MiB staging")
+
+
+def staging_mib(log_path: str) -> int | None:
+    """The staging region's size, from the instance's start-up line."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                m = _STAGING_LINE.search(line)
+                if m:
+                    return int(m.group(1))
+    except OSError:
+        return None
+    return None
 
 
 # --------------------------------------------------------------------------------------
@@ -840,6 +913,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "waits it out before the staging check")
     ap.add_argument("--settle-s", type=float, default=10.0,
                     help="how long staging may take to drain once the requests are done")
+    ap.add_argument("--push-concurrent", action="store_true",
+                    help="push modes: the proxy sends both legs at once, D's before P answered "
+                         "(default: P first)")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="VLLM_BATCH_INVARIANT=1 on every instance: concurrent greedy outputs "
                          "independent of batch composition (else PD and the reference may "

@@ -33,6 +33,11 @@
 #           push), UCX faults on both sides (every 8th transfer), the kvbig TTFT batch.
 #   PART m/n: what l and j found no time for: the kill run alone; vLLM's push without
 #           kvcached and the negative control.
+#   PART p/q (2026-11-24, second session): p: equivalence with D's prefix cache and push
+#           legs sent at once (--push-concurrent: D claims the staged params from P's
+#           listener), then the issue's aborts x3 with concurrent push legs beside vanilla;
+#           q: GPU memory per instance before a load, after it and idle (tiny, 2 repeats:
+#           vanilla, connector pull and push; kvbig, 1 repeat: vanilla and pull).
 #   KVPD_GPUS="P D" picks the GPUs (default "0 1"); "0 0" runs P and D on one GPU (the
 #   single-GPU machines; kvcached lets the instances share it).
 # Each part leaves in OUT: PART-RUN.tar.gz per run (its tree, logs included), each run's
@@ -163,6 +168,27 @@ n)  # part j's modes that found no time left
     negative --model /tmp/tiny --parallel 2 --deadline-s $(( $(left 560) - 30 )) \
     --extra-serve-args=--enable-prefix-caching "${GPU_ARGS[@]}" --single-gpu "$P_GPU"
   echo "rc equivalence=$?"
+  ;;
+p)
+  timeout $(( $(left 560) * 9 / 20 )) bash "$HERE/equivalence.sh" "$W/eq" reference \
+    push-contiguous push-vanilla negative --model /tmp/tiny --parallel 2 --push-concurrent \
+    --deadline-s $(( $(left 560) * 9 / 20 - 20 )) --extra-serve-args=--enable-prefix-caching \
+    "${GPU_ARGS[@]}" --single-gpu "$P_GPU"
+  echo "rc equivalence=$?"
+  TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/aborts" \
+    --model /tmp/tiny --modes vanilla,kvpd-push --push-concurrent --issue-aborts \
+    --repeats 3 "${GPU_ARGS[@]}"
+  echo "rc aborts=$?"
+  ;;
+q)
+  TRAFFIC_BUDGET_S=$(( $(left 560) / 2 )) bash "$HERE/traffic.sh" "$W/memtiny" \
+    --model /tmp/tiny --modes vanilla,kvpd-staged,kvpd-push --repeats 2 --settle-s 20 \
+    "${GPU_ARGS[@]}"
+  echo "rc memtiny=$?"
+  TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/memkvbig" \
+    --model /tmp/kvbig --modes vanilla,kvpd-staged --repeats 1 --settle-s 20 \
+    "${GPU_ARGS[@]}"
+  echo "rc memkvbig=$?"
   ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

@@ -295,10 +295,12 @@ VARIABLES: tuple[Variable, ...] = (
              "long, within one engine step, for a staged READ predicted to end inside it; `0` "
              f"leaves polling to vLLM; at most {MAX_READ_SPIN_US}",
              _parse_read_spin, "read_spin_us"),
-    Variable(KVCACHED_PD_SIDE_CHANNEL_PORT, "0 (any free port)", "prefill side: TCP port of the "
+    Variable(KVCACHED_PD_SIDE_CHANNEL_PORT, "unset: any free port (pull), vLLM's NIXL "
+             "side-channel port + 1000 (push)", "prefill side: TCP port of the "
              "staged transport's handshake listener (one per engine, on vLLM's "
              "`VLLM_NIXL_SIDE_CHANNEL_HOST`); its port travels to D in each request's "
-             "params, so set it only where a firewall needs a fixed port",
+             "params, so set it only where a firewall needs a fixed port; in push mode a "
+             "decode leg sent before P answered finds it only at vLLM's port + 1000",
              _parse_side_channel_port, "side_channel_port"),
     Variable(KVCACHED_PD_TRACE, "off", "log one `kvcached-pd trace {json}` line per handoff "
              "event (both sides); `experiments/trace_timeline.py LOG_DIR` turns them into "

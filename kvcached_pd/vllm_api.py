@@ -161,6 +161,16 @@ def side_channel_host() -> str:
     return str(envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
 
 
+def side_channel_port(vllm_config: Any) -> int:
+    """vLLM's own NIXL side-channel port of this engine (every release 0.20-0.30: the
+    ``VLLM_NIXL_SIDE_CHANNEL_PORT`` setting plus the data-parallel index), which a
+    push-mode proxy hands D as ``remote_port`` before P has answered."""
+    import vllm.envs as envs
+
+    return int(envs.VLLM_NIXL_SIDE_CHANNEL_PORT) + int(
+        getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+
+
 def tp_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

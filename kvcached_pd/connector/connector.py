@@ -31,11 +31,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcached_pd import config, vllm_api
-from kvcached_pd.connector.decode import DecodeScheduler, DecodeWorker
+from kvcached_pd.connector.decode import ClaimProbe, DecodeScheduler, DecodeWorker
 from kvcached_pd.connector.prefill import PrefillScheduler, PrefillWorker
 from kvcached_pd.connector.records import StepMetadata, WorkerReport
 from kvcached_pd.connector.region import StagingRegion
-from kvcached_pd.connector.side_channel import HandshakeListener
+from kvcached_pd.connector.side_channel import (
+    CLAIM_PORT_OFFSET,
+    ClaimBoard,
+    HandshakeListener,
+    claim_port,
+)
 from kvcached_pd.connector.stats import merge_samples
 from kvcached_pd.connector.wire import format_hash
 from kvcached_pd.transport import sizing
@@ -125,9 +130,10 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                 engine_id=self._engine_id, tp_size=tp,
                 lease_s=vllm_api.kv_lease_seconds(vllm_config))
         if plan.decode_bytes:
-            self._decode = DecodeScheduler(digest=digest, block_size=block_size,
-                                           capacity_bytes=plan.decode_bytes, tp_size=tp,
-                                           push=self._push)
+            self._decode = DecodeScheduler(
+                digest=digest, block_size=block_size, capacity_bytes=plan.decode_bytes,
+                tp_size=tp, push=self._push, lease_s=vllm_api.kv_lease_seconds(vllm_config),
+                fmt=fmt, probe=ClaimProbe(digest, tp) if self._push else None)
 
     # ========================================================== scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
@@ -204,10 +210,38 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         if self._prefill is None or not staged or self._listener is not None:
             return
         host = vllm_api.side_channel_host()
-        self._listener = HandshakeListener(host, self._settings.side_channel_port or 0, staged)
+        board = None
+        port = self._settings.side_channel_port or 0
+        if self._push:
+            # a decode leg sent before P answered claims its params here (side_channel)
+            board = ClaimBoard(self._engine_id, keep_s=self._prefill.lease_s)
+            derived = claim_port(vllm_api.side_channel_port(self._vllm_config))
+            if not port:
+                port = derived
+            elif port != derived:
+                logger.warning(
+                    "kvcached-pd: %s=%d: a push-mode decode leg sent before this prefill "
+                    "answered looks for the staged listener at vLLM's NIXL side-channel port "
+                    "+ %d (%d), so it takes vLLM's per-block push; leave %s unset to serve it",
+                    config.KVCACHED_PD_SIDE_CHANNEL_PORT, port, CLAIM_PORT_OFFSET, derived,
+                    config.KVCACHED_PD_SIDE_CHANNEL_PORT)
+        try:
+            self._listener = HandshakeListener(host, port, staged, board)
+        except Exception as exc:  # noqa: BLE001 - zmq.ZMQError: the port is taken
+            if self._settings.side_channel_port:
+                raise
+            logger.warning(
+                "kvcached-pd: port %d (vLLM's NIXL side-channel port + %d) is taken (%s); "
+                "the staged handshake listener takes any free port, so a push-mode decode "
+                "leg sent before this prefill answered cannot find it and takes vLLM's "
+                "per-block push (give this instance another VLLM_NIXL_SIDE_CHANNEL_PORT)",
+                port, CLAIM_PORT_OFFSET, exc)
+            self._listener = HandshakeListener(host, 0, staged, board)
         self._prefill.host, self._prefill.port = host, self._listener.port
-        logger.info("kvcached-pd: staged handshake listener on %s:%d for %d rank(s)", host,
-                    self._listener.port, len(staged))
+        self._prefill.board = board
+        logger.info("kvcached-pd: staged handshake listener on %s:%d for %d rank(s)%s", host,
+                    self._listener.port, len(staged),
+                    " (answers claims of decode legs sent before P answered)" if board else "")
 
     def get_kv_connector_stats(self):
         stats = self._inner.get_kv_connector_stats()
@@ -338,6 +372,10 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                     self._lease_log_filter)
             if self._listener is not None:
                 self._listener.close()
+            if self._prefill is not None and self._prefill.board is not None:
+                self._prefill.board.close()
+            if self._decode is not None and self._decode.probe is not None:
+                self._decode.probe.close()
             if self._decode_worker is not None:
                 self._decode_worker.close()
             if self._region is not None:

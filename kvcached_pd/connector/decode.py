@@ -20,6 +20,19 @@ kvcached memory); P frees its blocks on D's DONE (:mod:`.prefill`). A request ab
 before its READ leaves P's blocks and extent to P's lease, as vLLM's push mode does
 for a decode request that never registers.
 
+Push mode with concurrent legs (the proxy sends the decode leg before P has answered,
+so D can allocate while P still prefills, as vLLM's push design intends): the request
+carries only P's vLLM side-channel address, no :class:`StagedParams`. D asks that host
+at the claim port (:mod:`.side_channel`) for P's handshake, once per P engine, while
+vLLM holds the request back; a kvcached-pd P of a claim-capable wire and the same
+packed format makes the request staged: D allocates its blocks at once, takes it out
+of vLLM's push flow as above, and its worker claims the params from P's listener,
+which answers when P has packed the extent; the READ follows as in pull mode. Any other
+P (a plain vLLM, an older wire, another format, nothing listening within
+:data:`PROBE_TIMEOUT_S`) keeps vLLM's per-block push, said once per peer and retried
+after :data:`PROBE_RETRY_S`. Before this, every concurrent leg took that per-block push
+into D's kvcached memory: the 0.5 GB/s path.
+
 Worker half (:class:`DecodeWorker`): ``start`` (``start_load_kv``) fetches P's rank
 handshake once per peer (checking wire version and format once), reserves an extent
 of D's staging (waiting for room when it is full, never falling back to the 0.5 GB/s
@@ -47,30 +60,91 @@ from typing import Any
 
 import torch
 
-from kvcached_pd.connector.records import RecvOrder
+from kvcached_pd.connector.records import ClaimTarget, RecvOrder
 from kvcached_pd.connector.region import StagingRegion
-from kvcached_pd.connector.side_channel import fetch_handshake
+from kvcached_pd.connector.side_channel import ClaimClient, claim_port, fetch_handshake
 from kvcached_pd.connector.wire import (
+    CLAIM_WIRE_VERSION,
     COMPATIBLE_WIRE_VERSIONS,
+    PARAMS_KEY,
+    Claim,
+    ClaimReply,
     Done,
     RankHandshake,
     StagedParams,
     WireError,
+    base_request_id,
 )
+from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.pack import unpack_request
 from kvcached_pd.transport.staging import EXPECTED_READ_BYTES_PER_S, Extent
 from kvcached_pd.transport.trace import ms_since, trace
 
 logger = logging.getLogger("kvcached_pd")
 
+PROBE_TIMEOUT_S = 2.0  # how long D waits for a P's claim listener to answer, once per P
+PROBE_RETRY_S = 300.0  # a P found not to answer claims is asked again after this
+
 
 @dataclass
 class _Pending:
     request: Any
-    params: StagedParams
+    params: StagedParams | None  # None: claimed from P later (push, concurrent legs)
     first_token: int
     blocks: Any = None  # vLLM's KVCacheBlocks, kept for the inner connector's notify
     loading: bool = False  # its RecvOrder went to the worker
+    claim: ClaimTarget | None = None
+
+
+class ClaimProbe:
+    """Push mode, concurrent legs: is this request's P a kvcached-pd instance whose
+    extents this decode instance can claim and unpack? Asked once per P engine, in the
+    background (vLLM holds the request back meanwhile)."""
+
+    def __init__(self, digest: str, tp_size: int, timeout_s: float = PROBE_TIMEOUT_S,
+                 retry_s: float = PROBE_RETRY_S) -> None:
+        self.digest = digest
+        self.tp_size = tp_size
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcached-pd-probe")
+        self._probes: dict[str, tuple[Future, float]] = {}  # engine id -> (future, started)
+
+    def verdict(self, engine_id: str, host: str, port: int) -> tuple[str, str]:
+        """("yes" | "no" | "wait", reason for "no")."""
+        now = time.monotonic()
+        probe = self._probes.get(engine_id)
+        if probe is not None and probe[0].done() and probe[0].exception() is not None \
+                and now - probe[1] > self.retry_s:
+            probe = None
+        if probe is None:
+            probe = (self._pool.submit(self._ask, engine_id, host, port), now)
+            self._probes[engine_id] = probe
+        future = probe[0]
+        if not future.done():
+            return "wait", ""
+        if future.exception() is not None:
+            return "no", str(future.exception())
+        return "yes", ""
+
+    def _ask(self, engine_id: str, host: str, port: int) -> None:
+        try:
+            handshake = RankHandshake.decode(fetch_handshake(host, port, 0, self.timeout_s))
+        except (TimeoutError, ConnectionError) as exc:
+            raise RuntimeError(f"no kvcached-pd claim listener answered at {host}:{port} "
+                               f"({exc})") from exc
+        if handshake.engine_id != engine_id:
+            raise RuntimeError(f"{host}:{port} is prefill {handshake.engine_id}, not {engine_id}")
+        if handshake.wire_version < CLAIM_WIRE_VERSION:
+            raise RuntimeError(f"its kvcached-pd speaks wire version {handshake.wire_version}, "
+                               f"which answers no claims (needs {CLAIM_WIRE_VERSION}+)")
+        if handshake.format_digest != self.digest or handshake.tp_size != self.tp_size:
+            raise RuntimeError("its packed format, TP size or head range differs")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._claims is not None:
+            self._claims.close()
 
 
 @dataclass
@@ -80,6 +154,9 @@ class DecodeScheduler:
     capacity_bytes: int
     tp_size: int
     push: bool = False  # the inner connector is vLLM's push connector (module docstring)
+    lease_s: float = 30.0  # how long a claim may wait for P's prefill (this engine's lease)
+    fmt: PackedFormat | None = None  # this side's packed format (a claim's size estimate)
+    probe: ClaimProbe | None = None  # push mode: which P answers claims
     pending: dict[str, _Pending] = field(default_factory=dict)
     orders: dict[str, RecvOrder] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
@@ -98,13 +175,9 @@ class DecodeScheduler:
             self._refuse(str(params.get("remote_engine_id")), str(exc))
             return None
         if staged is None:
-            reason = ("it is not a kvcached-pd prefill (no staged extent in its "
-                      "kv_transfer_params)")
-            if self.push:
-                reason += (", or the proxy sent the decode leg before P answered (push "
-                           "mode with concurrent legs: vLLM's per-block WRITE into this "
-                           "instance's memory, the slow path with kvcached)")
-            self._refuse(str(params.get("remote_engine_id")), reason)
+            if not self.push:
+                self._refuse(str(params.get("remote_engine_id")), "it is not a kvcached-pd "
+                             "prefill (no staged extent in its kv_transfer_params)")
             return None
         reason = None
         if staged.wire_version not in COMPATIBLE_WIRE_VERSIONS:
@@ -121,15 +194,57 @@ class DecodeScheduler:
             return None
         return staged
 
-    def match(self, request: Any, num_computed_tokens: int) -> tuple[int, bool] | None:
+    def match(self, request: Any, num_computed_tokens: int
+              ) -> tuple[int | None, bool] | None:
+        """(tokens to load, True) for a staged request; (None, False) while a push-mode
+        P is being asked whether it answers claims (vLLM asks again next step); None
+        for the inner connector's requests."""
         staged = self.staged_params(request)
+        claim = None
         if staged is None:
-            return None
+            params = request.kv_transfer_params
+            if not (self.push and params and params.get("do_remote_prefill")
+                    and PARAMS_KEY not in params):
+                return None
+            claim, reason = self._claim_target(request)
+            if claim is None:
+                if reason == "wait":
+                    return None, False
+                self._refuse(str(params.get("remote_engine_id")), reason)
+                return None
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:
             return None  # a full prefix hit on D: the inner connector only notifies P
-        self.pending[request.request_id] = _Pending(request, staged, num_computed_tokens)
+        self.pending[request.request_id] = _Pending(request, staged, num_computed_tokens,
+                                                    claim=claim)
         return count, True
+
+    def _claim_target(self, request: Any) -> tuple[ClaimTarget | None, str]:
+        """Where to claim a push-mode request's params from, or (None, why not), with
+        "wait" meaning not known yet."""
+        params = request.kv_transfer_params
+        engine_id = str(params.get("remote_engine_id"))
+        prefix = ("the proxy sent the decode leg before P answered (push mode with "
+                  "concurrent legs) and ")
+        try:
+            host, port = str(params["remote_host"]), claim_port(int(params["remote_port"]))
+        except (KeyError, TypeError, ValueError):
+            return None, prefix + "its kv_transfer_params name no remote_host/remote_port"
+        if self.probe is None or self.fmt is None:
+            return None, prefix + "this instance claims no extents"
+        n_tokens = len(request.prompt_token_ids or ())
+        estimate = self.fmt.extent_bytes(math.ceil(n_tokens / self.block_size)
+                                         * self.block_size)
+        if estimate > self.capacity_bytes:
+            return None, (f"request {request.request_id}'s ~{estimate >> 20} MiB exceed "
+                          f"the {self.capacity_bytes >> 20} MiB decode staging")
+        verdict, reason = self.probe.verdict(engine_id, host, port)
+        if verdict == "wait":
+            return None, "wait"
+        if verdict == "no":
+            return None, (prefix + reason + ": vLLM's per-block WRITE into this "
+                          "instance's memory, the slow path with kvcached")
+        return ClaimTarget(host, port, engine_id, base_request_id(request.request_id)), ""
 
     def on_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> bool:
         """True when the request is staged (the caller keeps the inner connector out)."""
@@ -146,17 +261,21 @@ class DecodeScheduler:
             request.kv_transfer_params["do_remote_prefill"] = False
         elif entry.params.block_size != self.block_size:
             self._leave_to_lease(entry)
-        trace("d_alloc", request.request_id, remote_req=entry.params.request_id,
-              tokens=int(num_external_tokens),
+        trace("d_alloc", request.request_id,
+              remote_req=entry.params.request_id if entry.params else entry.claim.key,
+              tokens=int(num_external_tokens), claimed=entry.claim is not None,
               since_arrival_ms=ms_since(getattr(request, "arrival_time", None)))
         ids = list(blocks.get_block_ids()[0])
+        num_tokens = (entry.params.num_tokens if entry.params is not None
+                      else len(request.prompt_token_ids or ()))
         first_block = entry.first_token // self.block_size
-        last_block = math.ceil(entry.params.num_tokens / self.block_size)
+        last_block = math.ceil(num_tokens / self.block_size)
         entry.loading = True
+        wait_s = entry.params.lease_s / 2 if entry.params is not None else self.lease_s
         self.orders[request.request_id] = RecvOrder(
             params=entry.params, block_ids=tuple(ids[first_block:last_block]),
-            first_token=entry.first_token,
-            deadline=time.monotonic() + entry.params.lease_s / 2)
+            first_token=entry.first_token, num_tokens=num_tokens,
+            deadline=time.monotonic() + wait_s, claim=entry.claim)
         return True
 
     def take_orders(self) -> tuple[dict[str, RecvOrder], set[str]]:
@@ -222,9 +341,12 @@ class DecodeScheduler:
 @dataclass
 class _Read:
     order: RecvOrder
+    params: StagedParams | None = None  # the order's, or claimed from P
+    deadline: float = 0.0  # the READ must start before this (monotonic)
     extent: Extent | None = None
     handle: Any = None
     posted: float = 0.0
+    waited: bool = False  # counted once as waiting for staging room
 
 
 class DecodeWorker:
@@ -247,16 +369,27 @@ class DecodeWorker:
         # (start event, end event, extent): freed once the scatter has run on the device
         self.releasing: list[tuple[Any, Any, Extent]] = []
         self.samples: dict[str, list[float]] = {}
+        self._claims: ClaimClient | None = None  # started by the first claim
 
     # ------------------------------------------------------------- vLLM's hooks
     def start(self, orders: dict[str, RecvOrder], cancelled: set[str]) -> None:
         for req_id, order in orders.items():
-            self.queued[req_id] = _Read(order)
-            self._peer(order.params)
+            self.queued[req_id] = _Read(order, order.params, order.deadline)
+            if order.params is not None:
+                self._peer(order.params)
+            else:
+                if self._claims is None:
+                    self._claims = ClaimClient(self.handshake_timeout_s)
+                target = order.claim
+                self._claims.submit(req_id, target.host, target.port,
+                                    Claim(CLAIM_WIRE_VERSION, target.key, target.engine_id))
+                trace("claim_sent", req_id, key=target.key)
         for req_id in cancelled:
             if req_id in self.queued:  # not posted: nothing to wait for
                 del self.queued[req_id]
                 self.finished.add(req_id)
+                if self._claims is not None:
+                    self._claims.cancel(req_id)
             elif req_id in self.inflight:
                 self.cancelled.add(req_id)
         self._post_queued()
@@ -265,6 +398,7 @@ class DecodeWorker:
         """Requests whose load finished (loaded, failed or cancelled), those of them
         that failed, and the blocks that failed to load, since the last call."""
         states = self._await_imminent()
+        self._take_claims()
         for req_id, read in list(self.inflight.items()):
             state = states.get(req_id) or self.region.agent.state(read.handle)
             if state == "PROC":
@@ -303,7 +437,7 @@ class DecodeWorker:
         deadline = t0 + self.spin_s
         waiting = {req_id: read for req_id, read in self.inflight.items()
                    if req_id not in self.cancelled and read.posted
-                   + read.order.params.nbytes / EXPECTED_READ_BYTES_PER_S <= deadline}
+                   + read.params.nbytes / EXPECTED_READ_BYTES_PER_S <= deadline}
         states: dict[str, str] = {}
         while waiting:
             for req_id, read in list(waiting.items()):
@@ -316,6 +450,53 @@ class DecodeWorker:
         if spent > 0 and states:
             self.samples.setdefault("read_spin", []).append(spent)
         return {req_id: state for req_id, state in states.items() if state != "PROC"}
+
+    def _take_claims(self) -> None:
+        """Apply the claim replies that came (push mode, concurrent legs)."""
+        if self._claims is None:
+            return
+        now = time.monotonic()
+        for req_id, reply in self._claims.take().items():
+            read = self.queued.get(req_id)
+            if read is None or read.params is not None:
+                continue
+            if isinstance(reply, Exception):
+                del self.queued[req_id]
+                self._fail(req_id, read, f"claim from {read.order.claim.engine_id}: {reply}")
+                continue
+            reason = self._claimed(read, reply, now)
+            if reason is not None:
+                del self.queued[req_id]
+                self._fail(req_id, read, reason)
+                continue
+            trace("claim_answered", req_id, age_ms=round(1e3 * reply.age_s, 3),
+                  remote_req=read.params.request_id)
+            self._peer(read.params)
+
+    def _claimed(self, read: _Read, reply: ClaimReply, now: float) -> str | None:
+        """Take P's answer to a claim; the reason the load fails, or None."""
+        target = read.order.claim
+        if reply.status == "gone":
+            return f"prefill {target.engine_id} has no staged extent for it: {reply.reason}"
+        try:
+            params = StagedParams.from_params({PARAMS_KEY: reply.params})
+        except WireError as exc:
+            return f"prefill {target.engine_id} answered its claim with {exc}"
+        if params is None or params.engine_id != target.engine_id:
+            return f"the claim was answered by another prefill than {target.engine_id}"
+        if params.format_digest != self.region.digest or \
+                params.wire_version not in COMPATIBLE_WIRE_VERSIONS:
+            return f"prefill {target.engine_id}'s extent is in another packed format or wire"
+        if params.num_tokens != read.order.num_tokens:
+            return (f"prefill {target.engine_id} staged {params.num_tokens} tokens for "
+                    f"{target.key}, this decode expects {read.order.num_tokens}")
+        if params.nbytes > self.region.buffer.allocator.capacity_bytes:
+            return (f"its {params.nbytes >> 20} MiB extent exceeds the "
+                    f"{self.region.buffer.allocator.capacity_bytes >> 20} MiB decode staging")
+        read.params = params
+        # P's lease began when P finished it, age_s ago: D never READs after half of it
+        read.deadline = now + params.lease_s / 2 - reply.age_s
+        return None
 
     def _peer(self, params: StagedParams) -> Future:
         key = (params.engine_id, self.region.tp_rank)
@@ -349,13 +530,20 @@ class DecodeWorker:
         """Post queued READs in arrival order while there is room."""
         now = time.monotonic()
         for req_id, read in list(self.queued.items()):
-            params = read.order.params
-            future = self._peer(params)
-            if now > read.order.deadline:
+            params = read.params
+            if now > read.deadline:
                 del self.queued[req_id]
-                self._fail(req_id, read, "it waited past half of P's lease "
-                           f"({params.lease_s:.0f} s) for a handshake or for staging room")
+                if params is None:
+                    self._claims.cancel(req_id)
+                    self._fail(req_id, read, f"prefill {read.order.claim.engine_id} had not "
+                               "staged it within this instance's KV lease")
+                else:
+                    self._fail(req_id, read, "it waited past half of P's lease "
+                               f"({params.lease_s:.0f} s) for a handshake or for staging room")
                 continue
+            if params is None:
+                continue  # its claim is not answered yet
+            future = self._peer(params)
             if not future.done():
                 continue
             if future.exception() is not None:
@@ -367,8 +555,8 @@ class DecodeWorker:
             if read.extent is None:
                 read.extent = self.region.buffer.alloc(params.nbytes, req_id)
                 if read.extent is None:
-                    if not getattr(read, "_waited", False):
-                        read._waited = True  # type: ignore[attr-defined]
+                    if not read.waited:
+                        read.waited = True
                         self.samples.setdefault("waits", []).append(1)
                         logger.info("kvcached-pd: decode staging full (%d MiB used); request "
                                     "%s waits for room",
@@ -390,7 +578,7 @@ class DecodeWorker:
 
     def _unpack(self, req_id: str, read: _Read) -> None:
         region = self.region
-        order, params = read.order, read.order.params
+        order, params = read.order, read.params
         start = end = stream = None
         if region.buffer.tensor.is_cuda:
             stream = torch.cuda.current_stream(region.buffer.tensor.device)
@@ -438,3 +626,5 @@ class DecodeWorker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._claims is not None:
+            self._claims.close()

@@ -43,7 +43,14 @@ import torch
 
 from kvcached_pd.connector.records import PackOrder
 from kvcached_pd.connector.region import StagingRegion
-from kvcached_pd.connector.wire import WIRE_VERSION, Done, PARAMS_KEY, StagedParams
+from kvcached_pd.connector.side_channel import ClaimBoard
+from kvcached_pd.connector.wire import (
+    PARAMS_KEY,
+    WIRE_VERSION,
+    Done,
+    StagedParams,
+    base_request_id,
+)
 from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.pack import pack_request
 from kvcached_pd.transport.staging import Extent, ExtentAllocator
@@ -72,6 +79,8 @@ class PrefillScheduler:
     lease_s: float
     host: str = ""
     port: int = 0  # the side channel's, known once vLLM handed over the handshakes
+    # push mode: where a decode leg that came before P answered claims the params
+    board: ClaimBoard | None = None
     staged: dict[str, _Staged] = field(default_factory=dict)
     blocks: dict[str, list[int]] = field(default_factory=dict)  # admitted, not packed yet
     requests: dict[str, Any] = field(default_factory=dict)
@@ -136,7 +145,9 @@ class PrefillScheduler:
         if entry is None:
             return
         if entry.order is None or not delay_free or not params or not self.port:
-            self.release(req_id)  # aborted before its prompt completed, or no remote D
+            # aborted before its prompt completed, or no remote D
+            self.release(req_id, f"prefill {req_id} ended ({request.status}) without "
+                         "packing its KV for a remote decode")
             return
         entry.params = StagedParams(
             wire_version=WIRE_VERSION, engine_id=self.engine_id, request_id=req_id,
@@ -147,6 +158,8 @@ class PrefillScheduler:
             format_digest=self.digest)
         entry.finished_at = time.monotonic()
         params[PARAMS_KEY] = entry.params.to_params()
+        if self.board is not None:
+            self.board.publish(base_request_id(req_id), params[PARAMS_KEY])
         trace("p_finished", req_id, bytes=entry.extent.nbytes)
 
     def on_output(self, done: Iterable[tuple[str, int]], finished_sending: Iterable[str]) -> None:
@@ -169,17 +182,19 @@ class PrefillScheduler:
                 logger.warning("kvcached-pd: request %s: no decode instance read its %d MiB "
                                "extent within the %.0f s lease; freeing it", req_id,
                                entry.extent.nbytes >> 20, self.lease_s)
-                self.release(req_id)
+                self.release(req_id, f"P's {self.lease_s:.0f} s lease ran out")
 
     # ----------------------------------------------------------------- helpers
     def extent_bytes(self, request: Any) -> int:
         n_blocks = math.ceil(int(request.num_prompt_tokens) / self.block_size)
         return self.fmt.extent_bytes(n_blocks * self.block_size)
 
-    def release(self, req_id: str) -> None:
+    def release(self, req_id: str, reason: str = "released") -> None:
         self.blocks.pop(req_id, None)
         self.requests.pop(req_id, None)
         entry = self.staged.pop(req_id, None)
+        if entry is not None and self.board is not None:
+            self.board.withdraw(base_request_id(req_id), reason)
         if entry is not None:
             self.allocator.free(entry.extent)
             self._usage_changed()

@@ -31,14 +31,31 @@ class PackOrder:
 
 
 @dataclass(frozen=True)
-class RecvOrder:
-    """D: READ P's extent and scatter tokens ``[first_token, params.num_tokens)`` into
-    ``block_ids`` (D's scheduler blocks holding those tokens, in token order)."""
+class ClaimTarget:
+    """Where D claims a request's params when its decode leg came before P answered
+    (push mode): P's listener (P's vLLM side-channel port + the claim offset), P's engine
+    and the request's base id."""
 
-    params: StagedParams
+    host: str
+    port: int
+    engine_id: str
+    key: str
+
+
+@dataclass(frozen=True)
+class RecvOrder:
+    """D: READ P's extent and scatter tokens ``[first_token, num_tokens)`` into
+    ``block_ids`` (D's scheduler blocks holding those tokens, in token order). ``params``
+    is None until claimed from ``claim`` (push mode, concurrent legs)."""
+
+    params: StagedParams | None
     block_ids: tuple[int, ...]
     first_token: int
-    deadline: float  # time.monotonic() on D after which the READ must not start
+    num_tokens: int
+    # time.monotonic() on D after which the READ must not start (with a claim: after
+    # which the claim is given up; the READ's own limit comes with the params)
+    deadline: float
+    claim: ClaimTarget | None = None
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What crosses between a prefill (P) and a decode (D) kvcached-pd connector.
 
-Three records, nothing else:
+Four records, nothing else:
 
 * :class:`RankHandshake`: one per P worker rank, served by P's side channel and fetched
   once per peer rank by D's worker. It carries P's NIXL agent, its staging region and
@@ -10,6 +10,10 @@ Three records, nothing else:
   vLLM decode instance reads and ignores ours). It says where the packed extent lies.
 * :class:`Done`: D -> P, the NIXL notification that rides on D's READ and reaches P
   when the READ has completed; P then frees the extent.
+* :class:`Claim`: D -> P over P's side channel, push mode with concurrent legs only: a
+  decode leg that reached D before P answered carries no :class:`StagedParams`, so D
+  asks P's listener for them by request id and P answers once the extent is packed
+  (:class:`ClaimReply`).
 
 The model is vLLM's ``nixl/metadata.py``: a version constant with its history, and a
 compatibility check at handshake rather than per request. Per-request params carry
@@ -23,12 +27,18 @@ Wire version history
     notification ``KVPD1:D:<request id>:<rank>``. Per-request params carry P's block
     size (added before any release, after the first GPU run: D needs it to know whether
     vLLM's notify-only path can serve the hand-over, see ``DecodeScheduler``).
+  2 (2026-11-24): the claim (push mode, decode leg sent before P answered): D asks P's
+    side channel for a request's :class:`StagedParams` by its base id (vLLM's id less
+    its per-engine random suffix, as vLLM's push matches a registration). Nothing of
+    version 1 changed meaning, so 1 stays compatible: D claims only from a P whose
+    handshake says 2 or more, and leaves the others' concurrent legs to vLLM's push.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
@@ -36,10 +46,11 @@ import msgspec
 
 from kvcached_pd.transport.format import PackedFormat
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 # Versions this build can talk to. A new version that only adds optional fields may
 # list its predecessor here; a change in meaning must not.
-COMPATIBLE_WIRE_VERSIONS = frozenset({1})
+COMPATIBLE_WIRE_VERSIONS = frozenset({1, 2})
+CLAIM_WIRE_VERSION = 2  # the first version whose P answers claims
 
 PARAMS_KEY = "kvcached_pd"  # in kv_transfer_params, P -> D
 _DONE_PREFIX = b"KVPD1:D:"
@@ -178,3 +189,64 @@ class Done:
         if not request_id or not rank.isdigit():
             return None
         return cls(request_id, int(rank))
+
+
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def base_request_id(request_id: str) -> str:
+    """A request id less the ``-<8 hex>`` suffix each vLLM engine appends to the id a
+    proxy sent (vLLM 0.24+ push mode matches D's registration to P's request the same
+    way): P and D know one request under ids that differ only there."""
+    return _RANDOM_SUFFIX.sub("", request_id)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """D asks P for the :class:`StagedParams` of the request whose base id is ``key``."""
+
+    wire_version: int
+    key: str  # base_request_id of the request
+    engine_id: str  # the P engine D means (a listener of another engine answers GONE)
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Claim":
+        try:
+            return msgspec.msgpack.decode(data, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError(f"undecodable kvcached-pd claim: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ClaimReply:
+    """P's answer to a :class:`Claim`.
+
+    ``status``: ``"ready"`` (``params`` holds the request's :class:`StagedParams` as
+    ``to_params`` writes them, ``age_s`` how long ago P finished it: D's READ must start
+    within half of P's lease of that), ``"pending"`` (not packed yet, or not arrived:
+    ask again), ``"gone"`` (P released or never staged it: ``reason`` says why; D's load
+    fails rather than wait for a push that will not come)."""
+
+    key: str
+    status: str
+    params: dict[str, Any] | None = None
+    age_s: float = 0.0
+    reason: str = ""
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "ClaimReply":
+        try:
+            reply = msgspec.msgpack.decode(data, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError(f"undecodable kvcached-pd claim reply: {exc}") from exc
+        if reply.status not in ("ready", "pending", "gone"):
+            raise WireError(f"claim reply with unknown status {reply.status!r}")
+        if reply.status == "ready" and reply.params is None:
+            raise WireError("a ready claim reply without params")
+        return reply

@@ -1,0 +1,65 @@
+"""The load harness's memory readings, from files shaped as the host writes them."""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gpu_memory import (  # noqa: E402
+    instance_memory,
+    kvcached_mapped,
+    parse_compute_apps,
+    process_tree,
+)
+from pd_load import render_memory, staging_mib  # noqa: E402
+
+
+def test_kvcached_segment_is_total_used_prealloc_bytes(tmp_path):
+    (tmp_path / "kvpd_x").write_bytes(struct.pack("<qqq", 80 << 30, 3 << 30, 320 << 20))
+    assert kvcached_mapped("kvpd_x", str(tmp_path)) == {
+        "total": 80 << 30, "used": 3 << 30, "prealloc": 320 << 20}
+    assert kvcached_mapped("absent", str(tmp_path)) is None
+    (tmp_path / "short").write_bytes(b"\0" * 8)
+    assert kvcached_mapped("short", str(tmp_path)) is None
+
+
+def test_process_tree_follows_parents_and_reads_odd_names(tmp_path):
+    def proc(pid, ppid, comm="python3"):
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "stat").write_text(f"{pid} ({comm}) S {ppid} 1 1 0 -1\n")
+    proc(10, 1)
+    proc(11, 10, "VLLM::EngineCore")
+    proc(12, 11, "a) b (c")  # a comm with parentheses and spaces
+    proc(20, 1)
+    assert process_tree(10, str(tmp_path)) == {10, 11, 12}
+    assert process_tree(20, str(tmp_path)) == {20}
+
+
+def test_device_memory_sums_the_instance_tree_only():
+    apps = parse_compute_apps("4242, 1500\n4243, 70000\nbad line\n99, 12\n")
+    assert apps == {4242: 1500.0, 4243: 70000.0, 99: 12.0}
+    me = os.getpid()
+    reading = instance_memory(me, None, {me: 100.0, 1: 5.0})
+    assert reading == {"device_mib": 100.0, "kvcached": None}
+    assert instance_memory(me, None, {1: 5.0})["device_mib"] is None
+
+
+def test_summary_table_and_staging_line(tmp_path):
+    log = tmp_path / "p.log"
+    log.write_text("INFO kvcached-pd: staged transport ready (pull mode, inner NixlConnector): "
+                   "4096 MiB staging (VRAM; prefill 4096 MiB, decode 0 MiB, rule) ...\n")
+    assert staging_mib(str(log)) == 4096
+    assert staging_mib(str(tmp_path / "none.log")) is None
+    kv = {"total": 1, "used": 3 << 20, "prealloc": 160 << 20}
+    point = {"device_mib": 9000.0, "kvcached": kv, "staging_mib": 4096}
+    doc = {"modes": {"kvpd-staged": {"memory": {
+        "before": {"prefill": point}, "after_load": {"prefill": point},
+        "idle": {"prefill": dict(point, device_mib=None)}}}, "vanilla": {"memory": None}}}
+    lines = render_memory(doc)
+    assert "9000 / 9000 / -" in lines[2] and "3+160 / 3+160 / 3+160" in lines[2]
+    assert lines[2].rstrip().endswith("4096")
+    assert render_memory({"modes": {"vanilla": {}}}) == []
