@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from kvcached_pd.connector.side_channel import (
     CLAIM_HOLD_S,
     ClaimBoard,
@@ -29,6 +31,18 @@ def wait_for(client: ClaimClient, req_id: str, timeout_s: float = 5.0):
         got.update(client.take())
         time.sleep(0.002)
     return got.get(req_id)
+
+
+@pytest.fixture
+def channel():
+    """P's board and listener on localhost, and D's claim client."""
+    board = ClaimBoard(ENGINE, keep_s=30.0)
+    listener = HandshakeListener("127.0.0.1", 0, {0: b"hs"}, board)
+    client = ClaimClient(timeout_s=2.0)
+    yield board, listener.port, client
+    client.close()
+    listener.close()
+    board.close()
 
 
 def test_base_request_id_strips_only_vllms_random_suffix():
@@ -56,48 +70,34 @@ def test_board_answers_pending_ready_and_gone_and_forgets_after_the_lease():
         board.close()
 
 
-def test_a_held_claim_is_answered_as_soon_as_p_publishes():
-    board = ClaimBoard(ENGINE, keep_s=30.0)
-    listener = HandshakeListener("127.0.0.1", 0, {0: b"hs"}, board)
-    client = ClaimClient(timeout_s=2.0)
-    try:
-        client.submit("d-1", "127.0.0.1", listener.port, claim("r2"))
-        time.sleep(0.2)
-        assert client.take() == {}  # held by P's listener, not answered "pending"
-        t0 = time.monotonic()
-        board.publish("r2", PARAMS)
-        reply = wait_for(client, "d-1")
-        assert isinstance(reply, ClaimReply) and reply.status == "ready"
-        assert reply.params == PARAMS
-        assert time.monotonic() - t0 < CLAIM_HOLD_S / 2, "the held claim waited for its hold"
-        # a claim kept pending past the hold is asked again, not failed
-        client.submit("d-2", "127.0.0.1", listener.port, claim("r3"))
-        time.sleep(CLAIM_HOLD_S * 1.5)
-        assert client.take() == {}
-        board.withdraw("r3", "P's lease ran out")
-        reply = wait_for(client, "d-2")
-        assert reply.status == "gone" and "lease" in reply.reason
-    finally:
-        client.close()
-        listener.close()
-        board.close()
+def test_a_held_claim_is_answered_as_soon_as_p_publishes(channel):
+    board, port, client = channel
+    client.submit("d-1", "127.0.0.1", port, claim("r2"))
+    time.sleep(0.2)
+    assert client.take() == {}  # held by P's listener, not answered "pending"
+    t0 = time.monotonic()
+    board.publish("r2", PARAMS)
+    reply = wait_for(client, "d-1")
+    assert isinstance(reply, ClaimReply) and reply.status == "ready"
+    assert reply.params == PARAMS
+    assert time.monotonic() - t0 < CLAIM_HOLD_S / 2, "the held claim waited for its hold"
+    # a claim kept pending past the hold is asked again, not failed
+    client.submit("d-2", "127.0.0.1", port, claim("r3"))
+    time.sleep(CLAIM_HOLD_S * 1.5)
+    assert client.take() == {}
+    board.withdraw("r3", "P's lease ran out")
+    reply = wait_for(client, "d-2")
+    assert reply.status == "gone" and "lease" in reply.reason
 
 
-def test_a_cancelled_claim_files_nothing():
-    board = ClaimBoard(ENGINE, keep_s=30.0)
-    listener = HandshakeListener("127.0.0.1", 0, {0: b"hs"}, board)
-    client = ClaimClient(timeout_s=2.0)
-    try:
-        client.submit("d-3", "127.0.0.1", listener.port, claim("r4"))
-        time.sleep(0.1)
-        client.cancel("d-3")
-        board.publish("r4", PARAMS)
-        time.sleep(0.3)
-        assert client.take() == {}
-    finally:
-        client.close()
-        listener.close()
-        board.close()
+def test_a_cancelled_claim_files_nothing(channel):
+    board, port, client = channel
+    client.submit("d-3", "127.0.0.1", port, claim("r4"))
+    time.sleep(0.1)
+    client.cancel("d-3")
+    board.publish("r4", PARAMS)
+    time.sleep(0.3)
+    assert client.take() == {}
 
 
 def test_a_listener_without_claims_and_no_listener_at_all_fail_the_claim():

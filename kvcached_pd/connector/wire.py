@@ -60,6 +60,22 @@ class WireError(ValueError):
     """A peer sent something this build cannot use (reason in the message)."""
 
 
+class _Msgpack:
+    """A record that crosses P's side channel as msgpack; ``decode`` names it in errors."""
+
+    WHAT = "record"
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes):
+        try:
+            return msgspec.msgpack.decode(data, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError(f"undecodable kvcached-pd {cls.WHAT}: {exc}") from exc
+
+
 def format_hash(fmt: PackedFormat, head_start: int, head_count: int) -> str:
     """A short, stable digest of what must match for an extent to be unpacked as-is:
     the packed format (layers, heads, head size, dtype) and the rank's head range."""
@@ -69,8 +85,10 @@ def format_hash(fmt: PackedFormat, head_start: int, head_count: int) -> str:
 
 
 @dataclass(frozen=True)
-class RankHandshake:
+class RankHandshake(_Msgpack):
     """One P worker rank, as D needs it to READ from that rank's staging."""
+
+    WHAT = "handshake"
 
     wire_version: int
     engine_id: str
@@ -86,16 +104,6 @@ class RankHandshake:
     head_start: int  # this rank's first KV head in the model's numbering (TP > 1)
     head_count: int
     format_digest: str
-
-    def encode(self) -> bytes:
-        return msgspec.msgpack.encode(self)
-
-    @classmethod
-    def decode(cls, data: bytes) -> "RankHandshake":
-        try:
-            return msgspec.msgpack.decode(data, type=cls)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WireError(f"undecodable kvcached-pd handshake: {exc}") from exc
 
     def check_compatible(self, own_format: PackedFormat, own_digest: str) -> None:
         """Raise :class:`WireError` unless this peer's extents can be unpacked here."""
@@ -202,26 +210,18 @@ def base_request_id(request_id: str) -> str:
 
 
 @dataclass(frozen=True)
-class Claim:
+class Claim(_Msgpack):
     """D asks P for the :class:`StagedParams` of the request whose base id is ``key``."""
+
+    WHAT = "claim"
 
     wire_version: int
     key: str  # base_request_id of the request
     engine_id: str  # the P engine D means (a listener of another engine answers GONE)
 
-    def encode(self) -> bytes:
-        return msgspec.msgpack.encode(self)
-
-    @classmethod
-    def decode(cls, data: bytes) -> "Claim":
-        try:
-            return msgspec.msgpack.decode(data, type=cls)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WireError(f"undecodable kvcached-pd claim: {exc}") from exc
-
 
 @dataclass(frozen=True)
-class ClaimReply:
+class ClaimReply(_Msgpack):
     """P's answer to a :class:`Claim`.
 
     ``status``: ``"ready"`` (``params`` holds the request's :class:`StagedParams` as
@@ -230,21 +230,17 @@ class ClaimReply:
     ask again), ``"gone"`` (P released or never staged it: ``reason`` says why; D's load
     fails rather than wait for a push that will not come)."""
 
+    WHAT = "claim reply"
+
     key: str
     status: str
     params: dict[str, Any] | None = None
     age_s: float = 0.0
     reason: str = ""
 
-    def encode(self) -> bytes:
-        return msgspec.msgpack.encode(self)
-
     @classmethod
     def decode(cls, data: bytes) -> "ClaimReply":
-        try:
-            reply = msgspec.msgpack.decode(data, type=cls)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WireError(f"undecodable kvcached-pd claim reply: {exc}") from exc
+        reply = super().decode(data)
         if reply.status not in ("ready", "pending", "gone"):
             raise WireError(f"claim reply with unknown status {reply.status!r}")
         if reply.status == "ready" and reply.params is None:
