@@ -30,7 +30,7 @@ done
 mkdir -p "$TMP/big" "$TMP/small"
 echo "downloading vllm==$VLLM ..."
 pip download -q --no-deps "${PLAT[@]}" -d "$TMP/big" "vllm==$VLLM"
-python3 "$HERE/slim_vllm_wheel.py" "$TMP/big"/vllm-*.whl "$TMP/slim" | tail -1
+python3 "$HERE/slim_wheel.py" "$TMP/big"/vllm-*.whl "$TMP/slim" | tail -1
 echo "downloading NIXL and vLLM's missing dependencies ..."
 pip download -q --no-deps "${PLAT[@]}" -d "$TMP/small" nixl==1.5.1 nixl-cu13==1.5.1 setuptools==81.0.0
 pip download -q --no-deps "${PLAT[@]}" -d "$TMP/small" -r "$REQS"
