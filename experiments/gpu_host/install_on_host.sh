@@ -92,8 +92,10 @@ PYEOF
 fi
 "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --no-compile ./*.whl
 
-# 4. The GPU stack works before anything is built on it.
-"$PY" - <<'PYEOF'
+# 4. The GPU stack works before anything is built on it. From a file: Triton reads a
+#    kernel's source, which a script on stdin does not have.
+smoke=$(mktemp --suffix=.py)
+cat > "$smoke" <<'PYEOF'
 import os, sys
 import torch
 import triton
@@ -130,6 +132,8 @@ except Exception as e:  # the experiments run no convolution
 import vllm
 print(f"vllm {vllm.__version__}: GPU stack ok")
 PYEOF
+"$PY" "$smoke"
+rm -f "$smoke"
 
 # 5. kvcached ships as a source archive: build it against the installed CUDA torch, offline.
 #    kvcached 0.1.6 builds against libtorch's stable ABI (torch >= 2.10), so a build made
