@@ -101,9 +101,26 @@ import torch
 import triton
 import triton.language as tl
 
+
+
+def loaded_nccl() -> str:
+    """The NCCL this process loaded (torch.cuda.nccl.version() is the one torch was built
+    with)."""
+    import ctypes
+
+    for line in open("/proc/self/maps"):
+        if "libnccl.so" in line:
+            path = line.split()[-1]
+            code = ctypes.c_int()
+            ctypes.CDLL(path).ncclGetVersion(ctypes.byref(code))
+            return f"{code.value} from {path}"
+    return "not loaded"
+
+
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
-      f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, cuDNN built "
-      f"{torch._C._cudnn.getCompileVersion()} / loaded {torch._C._cudnn.getRuntimeVersion()}")
+      f"NCCL built {'.'.join(map(str, torch.cuda.nccl.version()))} / loaded {loaded_nccl()}, "
+      f"cuDNN built {torch._C._cudnn.getCompileVersion()} / loaded "
+      f"{torch._C._cudnn.getRuntimeVersion()}")
 assert torch.cuda.is_available(), "torch sees no GPU"
 a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
 ref = a.float() @ a.float()
