@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from pd_common import get, log, write_json
 from pd_modes import MANAGED_ENV_PREFIXES, InstanceConfig
 
-# Applied to every vLLM instance (see the README of the GPU host):
-# kvcached 0.1.6 refuses vLLM 0.26's model runner V2; flashinfer is not installed.
+# Applied to every vLLM instance (see the README of the GPU host): flashinfer is not
+# installed there. The model runner is chosen by model_runner_env().
 COMMON_VLLM_ENV = {
-    "VLLM_USE_V2_MODEL_RUNNER": "0",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
     "PYTHONUNBUFFERED": "1",
     "NO_COLOR": "1",
@@ -147,12 +146,33 @@ def serve_args(settings: ServeSettings, port: int, block_size: int,
     return args + list(settings.extra_args)
 
 
+def model_runner_env(vllm_version: str | None = None) -> dict[str, str]:
+    """The model runner every instance gets, vanilla ones too so that the modes compare.
+
+    kvcached 0.1.6 refuses vLLM's Model Runner V2 before 0.28 and requires it from 0.29
+    (its EngineCore patch raises KVCachedConfigError either way): up to 0.28 the V1 runner
+    is pinned, as on 0.26; from 0.29 vLLM's own choice (V2 for the test Llama) stands.
+    """
+    if vllm_version is None:
+        from importlib import metadata
+
+        try:
+            vllm_version = metadata.version("vllm")
+        except metadata.PackageNotFoundError:
+            vllm_version = ""
+    m = re.match(r"(\d+)\.(\d+)", vllm_version)
+    if m and (int(m.group(1)), int(m.group(2))) >= (0, 29):
+        return {}
+    return {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
 def instance_env(config: InstanceConfig, gpu: str, side_channel_port: int, ipc_name: str,
                  logging_config_path: str | None, base: dict[str, str] | None = None
                  ) -> dict[str, str]:
     base = dict(os.environ if base is None else base)
     env = {k: v for k, v in base.items() if not k.startswith(MANAGED_ENV_PREFIXES)}
     env.update(COMMON_VLLM_ENV)
+    env.update(model_runner_env())
     env.update(config.env)
     env["CUDA_VISIBLE_DEVICES"] = gpu
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
