@@ -38,6 +38,10 @@
 #           listener), then the issue's aborts x3 with concurrent push legs beside vanilla;
 #           q: GPU memory per instance before a load, after it and idle (tiny, 2 repeats:
 #           vanilla, connector pull and push; kvbig, 1 repeat: vanilla and pull).
+#   PART r/s (vLLM 0.30.0, torch 2.13 carried): r: equivalence with D's prefix cache
+#           (reference, staged pull and push with concurrent legs on kvcached's default
+#           layout, the negative control, vanilla); s: the issue's aborts x2 (vanilla,
+#           connector pull, connector push with concurrent legs).
 #   KVPD_GPUS="P D" picks the GPUs (default "0 1"); "0 0" runs P and D on one GPU (the
 #   single-GPU machines; kvcached lets the instances share it).
 # Each part leaves in OUT: PART-RUN.tar.gz per run (its tree, logs included), each run's
@@ -189,6 +193,19 @@ q)
     --model /tmp/kvbig --modes vanilla,kvpd-staged --repeats 1 --settle-s 20 \
     "${GPU_ARGS[@]}"
   echo "rc memkvbig=$?"
+  ;;
+r)
+  timeout $(( $(left 560) - 10 )) bash "$HERE/equivalence.sh" "$W/eq" reference \
+    staged-contiguous push-contiguous negative vanilla --model /tmp/tiny --parallel 2 \
+    --push-concurrent --deadline-s $(( $(left 560) - 30 )) \
+    --extra-serve-args=--enable-prefix-caching "${GPU_ARGS[@]}" --single-gpu "$P_GPU"
+  echo "rc equivalence=$?"
+  ;;
+s)
+  TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/aborts" \
+    --model /tmp/tiny --modes vanilla,kvpd-staged,kvpd-push --push-concurrent \
+    --issue-aborts --repeats 2 "${GPU_ARGS[@]}"
+  echo "rc aborts=$?"
   ;;
 *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
