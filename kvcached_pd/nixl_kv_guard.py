@@ -63,7 +63,16 @@ class KVGuard:
 
 def make_guard(kv_caches: dict[str, Any], blocks_dims: dict[str, int]) -> KVGuard:
     """The guard buffer and one stand-in per cache (``blocks_dims``: each cache's
-    block dimension)."""
+    block dimension).
+
+    A stand-in has the cache's shape and dtype over one block's memory: the block axis
+    has stride 0. Except where the block axis comes first (kvcached's contiguous layout
+    under vLLM 0.29+'s Model Runner V2: blocks-first views, every layer's page in each
+    block): vLLM 0.30's registration takes a view's ``stride(0)`` as its block stride
+    and divides by it, so a zero there stopped every EngineCore at start-up on the GPU
+    host (ZeroDivisionError). There the block axis gets a one-element stride over a
+    buffer of one element per block, and the other axes stride 0: vLLM reads that as
+    block-major storage of one-element blocks (a few hundred KiB, never the KV)."""
     import torch
 
     first = next(iter(kv_caches.values()))
@@ -71,11 +80,14 @@ def make_guard(kv_caches: dict[str, Any], blocks_dims: dict[str, int]) -> KVGuar
     stand_ins = {}
     for name, cache in kv_caches.items():
         dim = blocks_dims[name]
-        strides = list(cache.stride())
-        strides[dim] = 0
+        if dim == 0:
+            strides = [1] + [0] * (cache.dim() - 1)
+        else:
+            strides = list(cache.stride())
+            strides[dim] = 0
         span = 1 + sum((n - 1) * s for n, s in zip(cache.shape, strides))
-        one_block = torch.zeros(span, dtype=cache.dtype, device=cache.device)
-        stand_ins[name] = torch.as_strided(one_block, tuple(cache.shape), tuple(strides))
+        memory = torch.zeros(span, dtype=cache.dtype, device=cache.device)
+        stand_ins[name] = torch.as_strided(memory, tuple(cache.shape), tuple(strides))
     return KVGuard(tensor=guard, device_id=max(first.get_device(), 0), stand_ins=stand_ins)
 
 

@@ -234,16 +234,24 @@ def test_contiguous_layout_without_the_staged_transport_is_refused(
     assert reason in str(error.value) and "KVCACHED_CONTIGUOUS_LAYOUT=false" in str(error.value)
 
 
-def test_stand_ins_vllm_registers_cannot_be_packed_from():
-    """What vLLM is handed under the contiguous layout has a block stride of 0: should
-    anything build the staged transport's views over it instead of the real caches,
-    that fails loudly rather than packing one block's bytes for every block."""
+@pytest.mark.parametrize("blocks_dim", [0, 1])
+def test_stand_ins_vllm_registers_cannot_be_packed_from(blocks_dim):
+    """What vLLM is handed under the contiguous layout covers one block's memory (block
+    axis second: stride 0 there) or one element per block (block axis first: stride 1
+    there, 0 elsewhere, since vLLM 0.30 divides by a blocks-first view's stride(0)):
+    should anything build the staged transport's views over it instead of the real
+    caches, that fails loudly rather than packing a block's bytes for every block."""
     from kvcached_pd.nixl_kv_guard import make_guard
     from kvcached_pd.transport.layout import AttnCacheSpec, logical_kv_view
 
-    real = {"l0": torch.zeros(BUDGET, HEADS, BLOCK, 2 * HEAD_DIM)}
-    guard = make_guard(real, {"l0": 0})
-    stand_in = guard.stand_ins["l0"]
-    assert stand_in.shape == real["l0"].shape and stand_in.stride(0) == 0
+    shape = (BUDGET, HEADS, BLOCK, 2 * HEAD_DIM) if blocks_dim == 0 else \
+        (2, BUDGET, BLOCK, HEADS, HEAD_DIM)
+    real = {"l0": torch.zeros(shape)}
+    stand_in = make_guard(real, {"l0": blocks_dim}).stand_ins["l0"]
+    assert stand_in.shape == real["l0"].shape
+    assert stand_in.stride(blocks_dim) == (1 if blocks_dim == 0 else 0)
+    assert stand_in.stride(0) > 0  # vLLM 0.30 divides by it
+    if blocks_dim == 0:  # one element per block, nowhere near the KV's size
+        assert stand_in.untyped_storage().nbytes() == BUDGET * stand_in.element_size()
     with pytest.raises(ValueError, match="more than once"):
         logical_kv_view(stand_in, AttnCacheSpec(BLOCK, HEADS, HEAD_DIM))

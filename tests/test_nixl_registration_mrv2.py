@@ -120,3 +120,69 @@ def test_vllm_alone_registers_the_whole_virtual_pool(kvcached_env, vllm_config):
     registered = sum(n for _, n, _ in calls.reg)
     assert registered == sum(t.untyped_storage().nbytes() for t in caches.values())
     assert registered > 10 * LAYERS * BUDGET * PAGE
+
+
+def kv_cache_config_block_outermost():
+    """kvcached's contiguous layout on vLLM 0.29+: one backing whose blocks hold every
+    layer's page side by side (block stride = layers x page), as vLLM places a BL*
+    layout."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
+    )
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM,
+                             dtype=torch.float16)
+    tensor = KVCacheTensor(size=BUDGET * LAYERS * PAGE, layers=list(LAYER_NAMES),
+                           layer_stride=PAGE, block_stride=LAYERS * PAGE)
+    return KVCacheConfig(num_blocks=BUDGET, kv_cache_tensors=[tensor],
+                         kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)])
+
+
+def test_contiguous_layout_registers_no_kv_on_block_outermost_views(kvcached_env,
+                                                                    vllm_config):
+    """kvcached's default (contiguous) layout under Model Runner V2: its views are
+    blocks-first (block stride: every layer's page), and NIXL must register none of the
+    KV (only the staged transport can move it). vLLM 0.30's registration divides by the
+    stand-ins' block stride: with a zero stride there the decode and prefill EngineCores
+    died at start-up on the GPU host (ZeroDivisionError in base_worker)."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    kvcached_env.setenv("KVCACHED_CONTIGUOUS_LAYOUT", "true")
+    kvcached_env.setenv("KVCACHED_PD_TRANSPORT", "staged")
+    kvcached_cpu.install_stand_ins()
+    names = ("kvcached_alloc_mrv2", "nixl_layout", "nixl_registration", "connector_routing")
+    for name in names:
+        get_patch(name).patch()
+    REGISTRY.clear()
+    try:
+        import kvcached.integration.vllm.model_runner_v2 as mrv2
+
+        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+        config = kv_cache_config_block_outermost()
+        # what kvcached's contiguous layout accepts; NIXL would pick the head-major one
+        layout = resolve_kv_cache_layout(vllm_config, [["BLNHC", "BLHNC"]])
+        assert layout is KVCacheLayout.BLNHC
+        with kvcached_cpu.fake_device(contiguous=True):
+            caches = mrv2.allocate_kv_cache(config, "cpu", layout)
+        first = next(iter(caches.values()))
+        assert first.stride(0) * first.element_size() == LAYERS * PAGE  # blocks first
+
+        backend = vw.attention_backend("FLASH_ATTN")
+        with vw.backend_lookup(backend):
+            worker = vw.make_worker(vllm_config, config)
+            with vw.record_nixl_calls(worker) as calls:
+                worker.register_kv_caches(caches)
+        kv_bytes = [(a, n) for a, n, _ in calls.reg
+                    if any(s <= a < e for t in caches.values()
+                           for s, e in physical_spans(t))]
+        assert not kv_bytes, "NIXL registered kvcached's interleaved KV"
+        # what follows (the staged transport's views) sees the real caches, not stand-ins
+        for name in LAYER_NAMES:
+            real = worker.device_kv_caches[name]
+            assert real.data_ptr() == caches[name].data_ptr()
+            assert real.stride() == caches[name].stride()
+    finally:
+        for name in names:
+            get_patch(name).unpatch()
+        REGISTRY.clear()
