@@ -135,7 +135,12 @@ def registering_without_kv(worker: Any, guard: KVGuard) -> Iterator[None]:
 
 
 def advertise_no_blocks(worker: Any, guard: KVGuard, meta_cls: type) -> None:
-    """Rewrite the handshake vLLM built: 0 blocks, the guard as every region's base."""
+    """Rewrite the handshake vLLM built: 0 blocks, the guard as every region's base.
+
+    vLLM 0.30 also advertises each region's block count (``region_num_blocks``) and a
+    peer builds its remote list from those when present: left at the budget, every
+    peer's handshake failed (NIXL_ERR_NOT_FOUND: descriptors beyond the guard) on the
+    GPU host, so they are 0 too."""
     import dataclasses
 
     import msgspec
@@ -143,6 +148,8 @@ def advertise_no_blocks(worker: Any, guard: KVGuard, meta_cls: type) -> None:
     payload = worker.xfer_handshake_metadata
     meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=meta_cls)
     changes = {"num_blocks": 0, "kv_caches_base_addr": [guard.ptr] * len(meta.kv_caches_base_addr)}
+    if getattr(meta, "region_num_blocks", None):
+        changes["region_num_blocks"] = [0] * len(meta.region_num_blocks)
     if dataclasses.is_dataclass(meta):
         meta = dataclasses.replace(meta, **changes)
     else:

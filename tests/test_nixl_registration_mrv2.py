@@ -122,7 +122,7 @@ def test_vllm_alone_registers_the_whole_virtual_pool(kvcached_env, vllm_config):
     assert registered > 10 * LAYERS * BUDGET * PAGE
 
 
-def kv_cache_config_block_outermost():
+def kv_cache_config_block_outermost(budget: int = BUDGET):
     """kvcached's contiguous layout on vLLM 0.29+: one backing whose blocks hold every
     layer's page side by side (block stride = layers x page), as vLLM places a BL*
     layout."""
@@ -132,21 +132,37 @@ def kv_cache_config_block_outermost():
 
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM,
                              dtype=torch.float16)
-    tensor = KVCacheTensor(size=BUDGET * LAYERS * PAGE, layers=list(LAYER_NAMES),
+    tensor = KVCacheTensor(size=budget * LAYERS * PAGE, layers=list(LAYER_NAMES),
                            layer_stride=PAGE, block_stride=LAYERS * PAGE)
-    return KVCacheConfig(num_blocks=BUDGET, kv_cache_tensors=[tensor],
+    return KVCacheConfig(num_blocks=budget, kv_cache_tensors=[tensor],
                          kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)])
 
 
-def test_contiguous_layout_registers_no_kv_on_block_outermost_views(kvcached_env,
-                                                                    vllm_config):
-    """kvcached's default (contiguous) layout under Model Runner V2: its views are
-    blocks-first (block stride: every layer's page), and NIXL must register none of the
-    KV (only the staged transport can move it). vLLM 0.30's registration divides by the
-    stand-ins' block stride: with a zero stride there the decode and prefill EngineCores
-    died at start-up on the GPU host (ZeroDivisionError in base_worker)."""
+def contiguous_worker(vllm_config, engine_id, budget: int = BUDGET):
+    """A NIXL worker over kvcached's real MRV2 allocation in its contiguous layout
+    (blocks-first BLNHC views), registered through kvcached-pd's patches."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
+    import kvcached.integration.vllm.model_runner_v2 as mrv2
+
+    config = kv_cache_config_block_outermost(budget)
+    # what kvcached's contiguous layout accepts; NIXL would pick the head-major one
+    layout = resolve_kv_cache_layout(vllm_config, [["BLNHC", "BLHNC"]])
+    assert layout is KVCacheLayout.BLNHC
+    with kvcached_cpu.fake_device(total_memory=max(64 << 20, 4 * budget * LAYERS * PAGE),
+                                  contiguous=True):
+        caches = mrv2.allocate_kv_cache(config, "cpu", layout)
+    first = next(iter(caches.values()))
+    assert first.stride(0) * first.element_size() == LAYERS * PAGE  # blocks first
+    worker = vw.make_worker(vllm_config, config, engine_id=engine_id)
+    with vw.record_nixl_calls(worker) as calls:
+        worker.register_kv_caches(caches)
+    return worker, caches, calls
+
+
+@pytest.fixture
+def contiguous_env(kvcached_env):
     kvcached_env.setenv("KVCACHED_CONTIGUOUS_LAYOUT", "true")
     kvcached_env.setenv("KVCACHED_PD_TRANSPORT", "staged")
     kvcached_cpu.install_stand_ins()
@@ -154,35 +170,52 @@ def test_contiguous_layout_registers_no_kv_on_block_outermost_views(kvcached_env
     for name in names:
         get_patch(name).patch()
     REGISTRY.clear()
-    try:
-        import kvcached.integration.vllm.model_runner_v2 as mrv2
+    yield
+    for name in names:
+        get_patch(name).unpatch()
+    REGISTRY.clear()
 
-        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 
-        config = kv_cache_config_block_outermost()
-        # what kvcached's contiguous layout accepts; NIXL would pick the head-major one
-        layout = resolve_kv_cache_layout(vllm_config, [["BLNHC", "BLHNC"]])
-        assert layout is KVCacheLayout.BLNHC
-        with kvcached_cpu.fake_device(contiguous=True):
-            caches = mrv2.allocate_kv_cache(config, "cpu", layout)
-        first = next(iter(caches.values()))
-        assert first.stride(0) * first.element_size() == LAYERS * PAGE  # blocks first
+def test_contiguous_layout_registers_no_kv_on_block_outermost_views(contiguous_env,
+                                                                    vllm_config):
+    """kvcached's default (contiguous) layout under Model Runner V2: its views are
+    blocks-first (block stride: every layer's page), and NIXL must register none of the
+    KV (only the staged transport can move it). vLLM 0.30's registration divides by the
+    stand-ins' block stride: with a zero stride there the decode and prefill EngineCores
+    died at start-up on the GPU host (ZeroDivisionError in base_worker)."""
+    backend = vw.attention_backend("FLASH_ATTN")
+    with vw.backend_lookup(backend):
+        worker, caches, calls = contiguous_worker(vllm_config, "p-contiguous")
+    kv_bytes = [(a, n) for a, n, _ in calls.reg
+                if any(s <= a < e for t in caches.values() for s, e in physical_spans(t))]
+    assert not kv_bytes, "NIXL registered kvcached's interleaved KV"
+    # what follows (the staged transport's views) sees the real caches, not stand-ins
+    for name in LAYER_NAMES:
+        real = worker.device_kv_caches[name]
+        assert real.data_ptr() == caches[name].data_ptr()
+        assert real.stride() == caches[name].stride()
 
-        backend = vw.attention_backend("FLASH_ATTN")
-        with vw.backend_lookup(backend):
-            worker = vw.make_worker(vllm_config, config)
-            with vw.record_nixl_calls(worker) as calls:
-                worker.register_kv_caches(caches)
-        kv_bytes = [(a, n) for a, n, _ in calls.reg
-                    if any(s <= a < e for t in caches.values()
-                           for s, e in physical_spans(t))]
-        assert not kv_bytes, "NIXL registered kvcached's interleaved KV"
-        # what follows (the staged transport's views) sees the real caches, not stand-ins
-        for name in LAYER_NAMES:
-            real = worker.device_kv_caches[name]
-            assert real.data_ptr() == caches[name].data_ptr()
-            assert real.stride() == caches[name].stride()
-    finally:
-        for name in names:
-            get_patch(name).unpatch()
-        REGISTRY.clear()
+
+def test_two_contiguous_layout_workers_handshake(contiguous_env, vllm_config):
+    """D's vLLM worker loads P's advertised metadata (vLLM's own handshake: D needs it
+    to tell P it is done with a request). P registered none of its KV, so D must
+    prepare a remote list over P's guard alone. On vLLM 0.30 the list came from each
+    region's block count, which the advertisement had left at the budget: every
+    handshake failed with NIXL_ERR_NOT_FOUND on the GPU host, and P kept each request's
+    blocks until its KV lease ran out. The budget here is the host's order (4096
+    blocks): one descriptor per block then reaches past P's 4 KiB guard."""
+    import importlib
+
+    import msgspec
+
+    backend = vw.attention_backend("FLASH_ATTN")
+    with vw.backend_lookup(backend):
+        p_worker, _, _ = contiguous_worker(vllm_config, "p-contiguous", budget=4096)
+        d_worker, _, _ = contiguous_worker(vllm_config, "d-contiguous", budget=4096)
+        base_worker = importlib.import_module(f"{vw.NIXL}.base_worker")
+        meta = msgspec.msgpack.decode(p_worker.xfer_handshake_metadata.agent_metadata_bytes,
+                                      type=base_worker.NixlAgentMetadata)
+        assert meta.num_blocks == 0
+        assert not any(getattr(meta, "region_num_blocks", None) or ())
+        agent = d_worker.add_remote_agent(meta, 0, 1)
+    assert agent
