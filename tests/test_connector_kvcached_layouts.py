@@ -4,7 +4,7 @@ The caches come from kvcached's real allocator (``alloc_kv_cache``; from vLLM 0.
 model-runner-V2 ``allocate_kv_cache``), run on the CPU with stand-ins for its CUDA
 module only (tests/support/kvcached_cpu.py), in the shape and layout this vLLM release
 asks for. Each instance runs with the patches an operator's process has with kvcached
-(geometry records, NIXL layout and registration, routing), so the inner
+(geometry records, NIXL layout and registration), so the inner
 ``NixlConnector`` registers the caches as it would on a GPU, over real NIXL (UCX, host
 memory):
 
@@ -41,11 +41,9 @@ from tests.test_connector_mixed import handoff as mixed_handoff
 
 pytestmark = pytest.mark.skipif(not kvcached_cpu.available(), reason="kvcached source not fetched")
 
-# What an operator's process with kvcached applies before vLLM builds a connector. The
-# instances here name kvcached-pd's connector directly; the routing is applied because
-# the registration accepts kvcached's contiguous layout only where it serves.
-PATCHES = ("kvcached_alloc", "kvcached_alloc_mrv2", "nixl_layout", "nixl_registration",
-           "connector_routing")
+# What an operator's process with kvcached applies before vLLM builds a connector (the
+# routing aside: the instances here name kvcached-pd's connector directly).
+PATCHES = ("kvcached_alloc", "kvcached_alloc_mrv2", "nixl_layout", "nixl_registration")
 NUM_BLOCKS = 40
 PROMPT = list(range(1, 76))  # 75 tokens: four full 16-token blocks and a partial one
 MRV2 = vllm_release() >= (0, 29)  # kvcached allocates through vLLM's model runner V2
