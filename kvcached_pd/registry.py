@@ -1,6 +1,6 @@
 """Geometry of every KV cache tensor kvcached creates in this process.
 
-The original patch (../shared/seeds/000) passed the block budget through a module
+An earlier version of this integration passed the block budget through a module
 global of kvcached's, which holds one value per process; its review objected that
 several engines or KV-cache groups overwrite each other. This registry keeps one
 record per tensor instead, keyed by (allocation, KV-cache group, layer) and looked up
