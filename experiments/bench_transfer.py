@@ -243,8 +243,7 @@ class Bench:
         kvp = p.json().get("kv_transfer_params")
         if not kvp:
             return {"error": "prefill returned no kv_transfer_params"}
-        # the hooks' key, or the connector's (kvcached_pd.connector.wire.PARAMS_KEY)
-        staged = "kvcached_pd_staged" in kvp or "kvcached_pd" in kvp
+        staged = "kvcached_pd" in kvp  # kvcached_pd.connector.wire.PARAMS_KEY
         p_after = self._wait_finished(run.p_url, p_before, (M.KVPD_PACK_COUNT,)) \
             if staged else None
         before = scrape_metrics(run.d_url)
@@ -259,10 +258,11 @@ class Bench:
         out = {"prompt_tokens": usage.get("prompt_tokens"), "prefill_s": p.seconds,
                "decode_s": d.seconds, "staged": staged,
                "pack_s": metric_delta(p_before, p_after, M.KVPD_PACK_SUM) if staged else None}
-        # NIXL records a transfer on the side that posts it: D's READ in pull mode, P's
-        # WRITE (posted once D's registration reached P) in push mode.
+        # vLLM's NIXL agent records a transfer on the side that posts it: D's READ in
+        # pull mode, P's WRITE (posted once D's registration reached P) in vLLM's push
+        # mode. A staged request is READ by D in both modes, with the connector's agent.
         nixl_before, nixl_after = before, after
-        if run.mode.connector == "NixlPushConnector":
+        if run.mode.connector == "NixlPushConnector" and not staged:
             nixl_before = p_before
             nixl_after = self._wait_finished(run.p_url, p_before, (M.NIXL_XFER_COUNT,))
         for key, name, labels in (
@@ -281,7 +281,7 @@ class Bench:
             out[key] = metric_delta(before, after, name, **labels)
         if staged and not out["nixl_transfers"]:
             # kvcached-pd's connector READs with its own NIXL agent, whose telemetry is its
-            # own metric (vLLM's agent records the hook path's READs)
+            # own metric
             read_s = metric_delta(before, after, M.KVPD_READ_SUM)
             reads = metric_delta(before, after, M.KVPD_READ_COUNT)
             if reads:

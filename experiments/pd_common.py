@@ -280,7 +280,7 @@ class M:
     NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
     NIXL_FAILED_NOTIF = "vllm:nixl_num_failed_notifications_total"
     NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
-    # kvcached-pd's series (kvcached_pd/patches/staged_transport.py)
+    # kvcached-pd's series (kvcached_pd/patches/connector_metrics.py)
     KVPD_PACK_SUM = "vllm:kvcached_pd_pack_seconds_sum"  # P: device time of the pack
     KVPD_PACK_COUNT = "vllm:kvcached_pd_pack_seconds_count"
     KVPD_UNPACK_SUM = "vllm:kvcached_pd_unpack_seconds_sum"  # D: device time of the scatter

@@ -97,11 +97,6 @@ PD_STAGED_CONTIG = InstanceConfig(
     "kvcached-pd-staged-contiguous",
     {k: v for k, v in kvcached_pd_env("staged").items() if k != "KVCACHED_CONTIGUOUS_LAYOUT"})
 BENCH_ONLY = "bench-only"  # tag: left out of 'all' (the equivalence harness's default)
-# The pull hooks into vLLM 0.24-0.28's NixlConnector, which kvcached-pd's connector
-# replaces: kept reachable by disabling the routing, to compare the two side by side.
-HOOKS = {"KVCACHED_PD_DISABLE": "connector_routing"}
-PD_STAGED_HOOKS_CONTIG = InstanceConfig("kvcached-pd-staged-hooks-contiguous",
-                                        dict(PD_STAGED_CONTIG.env, **HOOKS))
 
 MODES: dict[str, Mode] = {
     m.name: m
@@ -134,9 +129,6 @@ MODES: dict[str, Mode] = {
             InstanceConfig("kvcached-pd-staged-corrupt", kvcached_pd_env("staged", corrupt=True)),
             InstanceConfig("kvcached-pd-staged-corrupt", kvcached_pd_env("staged", corrupt=True)),
             expect_different=True, clean_twin="kvcached-pd-staged"),
-        _pd("staged-hooks-contiguous", "PD, the staged pull through the hooks into vLLM's "
-            "NixlConnector (routing disabled), contiguous layout", PD_STAGED_HOOKS_CONTIG,
-            PD_STAGED_HOOKS_CONTIG, tags=(BENCH_ONLY,)),
         _pd("kvcached-pd-staged-nospin", "PD, staged, KVCACHED_PD_READ_SPIN_US=0",
             PD_STAGED_NOSPIN, PD_STAGED_NOSPIN, tags=(BENCH_ONLY,)),
         _pd("kvcached-pd-staged-prealloc",
@@ -183,11 +175,7 @@ LOAD_FLAVOURS: dict[str, tuple[str, str | None, str]] = {
     "kvpd-direct": ("PD, kvcached + kvcached-pd direct (needs --kvcached-layout split)",
                     "direct", "NixlConnector"),
     "vanilla-push": ("PD, vLLM's own push without kvcached", None, "NixlPushConnector"),
-    "kvpd-hooks": ("PD, kvcached + kvcached-pd staged pull through the hooks into vLLM's "
-                   "NixlConnector (KVCACHED_PD_DISABLE=connector_routing)", "staged",
-                   "NixlConnector"),
 }
-LOAD_EXTRA_ENV = {"kvpd-hooks": HOOKS}
 LOAD_DEFAULT_MODES = ("vanilla", "kvpd-staged", "kvpd-push")
 
 
@@ -201,10 +189,7 @@ def load_modes(names: list[str], layout: str = "contiguous") -> list[Mode]:
             continue
         description, transport, connector = LOAD_FLAVOURS[name]
         flavour = "vanilla" if transport is None else f"kvcached-pd-{transport}-{layout}"
-        if name in LOAD_EXTRA_ENV:
-            flavour += "-hooks"
-        cfg = InstanceConfig(flavour, dict(load_env(transport, layout),
-                                           **LOAD_EXTRA_ENV.get(name, {})))
+        cfg = InstanceConfig(flavour, load_env(transport, layout))
         out.append(_pd(name, description, cfg, cfg, connector=connector))
     return out
 

@@ -19,9 +19,9 @@
 #   PART e: kvcached-pd's connector (pull routed to it): equivalence with D's prefix cache
 #           on (reference, vanilla, staged split and contiguous, mixed fleets both ways,
 #           staged push contiguous, P16/D32, the negative control).
-#   PART f: the single-request benchmark at 94 MiB (vanilla, connector, the old pull hooks
-#           on the same contiguous layout), then the aborts x3 (tiny: vanilla,
-#           connector pull, staged push).
+#   PART f: the single-request benchmark at 94 MiB (vanilla, the connector on kvcached's
+#           contiguous layout; the run of 2026-11-23 also had the older pull hooks, since
+#           deleted), then the aborts x3 (tiny: vanilla, connector pull, staged push).
 #   PART h: equivalence again for the modes part e found broken (mixed fleets, P16/D32).
 #   PART g: UCX faults (every 8th transfer fails, both sides), D killed 1 s into a
 #           128-request load, the kvbig TTFT batch (8 x 3000 tokens) with one load run.
@@ -106,7 +106,7 @@ e)
   ;;
 f)
   python3 "$HERE/bench_transfer.py" --out "$W/bench" --model /tmp/tiny --max-model-len 4096 \
-    --sizes 94 --ttft-batch 0 --modes vanilla,staged-contiguous,staged-hooks-contiguous \
+    --sizes 94 --ttft-batch 0 --modes vanilla,staged-contiguous \
     --deadline-s $(( $(left 560) * 2 / 5 ))
   echo "rc bench=$?"
   TRAFFIC_BUDGET_S=$(( $(left 560) - 20 )) bash "$HERE/traffic.sh" "$W/aborts" \

@@ -10,16 +10,17 @@ median of each stage (milliseconds):
 
   d_arrival_to_alloc   D: request arrival -> its blocks allocated (kvcached maps pages here)
   d_alloc_to_post      D: blocks allocated -> staged READ posted (next start_load_kv)
-  d_read_seen          D: READ posted -> seen done (the wire plus polling; spin included);
-                       push mode: staging offered -> P's staged WRITE seen done
-  d_spin               D: of which spent waiting for it within one step
-  d_seen_to_reported   D: READ seen done -> the scheduler learns it (next step)
-  d_unpack_device      D: device time of the scatter
+  d_read_seen          D: READ posted -> scatter enqueued (the wire plus polling, the
+                       in-step spin included: KVCACHED_PD_READ_SPIN_US)
+  d_seen_to_reported   D: scatter enqueued -> the scheduler learns the load (next step)
   p_arrival_to_order   P: request arrival -> pack ordered (the prefill's scheduling + chunks)
   p_pack_device        P: device time of the pack kernels
-  p_pack_wall          P: pack incl. waiting for the step's forward
   p_finish_to_d_alloc  P finished -> D allocated (response, proxy/client, D's scheduling)
-  p_held               P: finished -> extent (and P's blocks) released by D's notification
+  p_held               P: finished -> extent released (D's DONE, or P's blocks freed)
+
+The events are kvcached-pd's connector's (kvcached_pd/transport/trace.py); the spin and
+the unpack's device time are metrics (vllm:kvcached_pd_read_spin_seconds,
+vllm:kvcached_pd_unpack_seconds), not trace fields.
 """
 
 from __future__ import annotations
@@ -35,9 +36,8 @@ from statistics import median
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kvcached_pd.transport.trace import parse_line
 
-STAGES = ("d_arrival_to_alloc", "d_alloc_to_post", "d_read_seen", "d_spin",
-          "d_seen_to_reported", "d_unpack_device", "p_arrival_to_order", "p_pack_device",
-          "p_pack_wall", "p_finish_to_d_alloc", "p_held")
+STAGES = ("d_arrival_to_alloc", "d_alloc_to_post", "d_read_seen", "d_seen_to_reported",
+          "p_arrival_to_order", "p_pack_device", "p_finish_to_d_alloc", "p_held")
 _LOG = re.compile(r"^(?P<mode>.+)-(?P<role>prefill|decode)\.log$")
 
 
@@ -69,27 +69,20 @@ def timelines(prefill: list[dict], decode: list[dict]) -> list[dict]:
     p_reqs, d_reqs = _by_request(prefill), _by_request(decode)
     rows = []
     for d in d_reqs.values():
-        alloc, done = d.get("d_alloc"), d.get("read_done")
-        posted = d.get("read_posted") or d.get("push_offered")  # push: D offers, P WRITEs
+        alloc, posted, done = d.get("d_alloc"), d.get("read_posted"), d.get("read_done")
         if not (posted and done):
             continue
         p = p_reqs.get(str(posted.get("remote_req")), {})
-        # the connector's READ has no spin (its trace carries handoff_ms: posted -> seen)
-        row = {"bytes": posted.get("bytes"),
-               "d_read_seen": done.get("seen_ms", done.get("handoff_ms")),
-               "d_spin": done.get("spin_ms", 0.0)}
+        row = {"bytes": posted.get("bytes"), "d_read_seen": done.get("handoff_ms")}
         if alloc:
             row["d_arrival_to_alloc"] = alloc.get("since_arrival_ms")
             row["d_alloc_to_post"] = 1e3 * (posted["t"] - alloc["t"])
         if "d_recv_reported" in d:
             row["d_seen_to_reported"] = 1e3 * (d["d_recv_reported"]["t"] - done["t"])
-        if "unpack_done" in d:
-            row["d_unpack_device"] = d["unpack_done"].get("device_ms")
         if "pack_ordered" in p:
             row["p_arrival_to_order"] = p["pack_ordered"].get("since_arrival_ms")
         if "packed" in p:
             row["p_pack_device"] = p["packed"].get("device_ms")
-            row["p_pack_wall"] = p["packed"].get("wall_ms")
         if "p_finished" in p and alloc:
             row["p_finish_to_d_alloc"] = 1e3 * (alloc["t"] - p["p_finished"]["t"])
         if "p_released" in p:

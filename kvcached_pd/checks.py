@@ -73,9 +73,10 @@ def contiguous_layout_problem(env=None, connector: str | None = None) -> str | N
                 f"({config.KVCACHED_PD_TRANSPORT}=staged).")
     transport, why = serving_transport(settings, installed_version("vllm"), connector,
                                        active=True)
-    if transport != "staged":
-        return f"{layout}, and the direct path would move it: {why}. Set {variable}=false."
-    return None
+    if transport == "staged":
+        return None
+    remedy = routing_remedy(settings) or f"Set {variable}=false."
+    return f"{layout}, and the direct path would move it: {why}. {remedy}"
 
 
 def layout_problems(env=None) -> list[str]:
@@ -107,17 +108,17 @@ def serving_transport(settings: config.Settings, vllm_version: str | None,
                       connector: str | None = None, active: bool | None = None
                       ) -> tuple[str, str]:
     """The data path that will actually move KV for this vLLM and ``kv_connector``
-    name (None: the operator has not said, as in the doctor), and why.
+    name (None: the operator has not said, as in the doctor: vLLM's NIXL names), and why.
 
     Pull and push mode are kvcached-pd's connector's on every release of
-    ``vllm_api.RELEASES`` that has them (the routing patch builds it for vLLM's NIXL
-    names: pull on 0.20-0.30, ``NixlPushConnector`` on 0.24-0.30). With the routing
-    disabled the older hooks stage both modes on vLLM 0.24-0.28 only. Elsewhere a
-    requested ``staged`` means vLLM's own per-block path.
+    ``vllm_api.RELEASES`` that has them: the routing patch builds it for vLLM's NIXL
+    names (pull on 0.20-0.30, ``NixlPushConnector`` on 0.24-0.30), and it can be named
+    itself. With ``connector_routing`` disabled those names build vLLM's own connectors,
+    which move KV by per-block descriptors: the direct path. Elsewhere a requested
+    ``staged`` means vLLM's own per-block path too.
     """
     from kvcached_pd import vllm_api
     from kvcached_pd.patches.connector_routing import ConnectorRoutingPatch
-    from kvcached_pd.patches.staged_transport import StagedTransportPatch
 
     if not (settings.active if active is None else active):
         return "vLLM's own", "kvcached-pd is off: nothing is patched"
@@ -132,21 +133,29 @@ def serving_transport(settings: config.Settings, vllm_version: str | None,
                           f"vLLM here: {vllm_version or 'not installed'}")
     if connector is not None and connector not in api.nixl_names + (vllm_api.CONNECTOR_CLASS,):
         return "vLLM's own", f"kv_connector {connector} is not a NIXL connector kvcached-pd serves"
-    routed = ConnectorRoutingPatch.name not in settings.disabled_patches
-    if not routed:
-        hooks_range = StagedTransportPatch.vllm_range
-        if (hooks_range.contains(vllm_version)
-                and StagedTransportPatch.name not in settings.disabled_patches):
-            return "staged", (f"{ConnectorRoutingPatch.name} is disabled by "
-                              f"{config.KVCACHED_PD_DISABLE}: the hooks into vLLM "
-                              f"{hooks_range}'s NIXL connectors stage it")
+    if (connector != vllm_api.CONNECTOR_CLASS
+            and ConnectorRoutingPatch.name in settings.disabled_patches):
         return "direct", (f"{ConnectorRoutingPatch.name} is disabled by "
-                          f"{config.KVCACHED_PD_DISABLE} (the older hooks serve vLLM "
-                          f"{hooks_range} only; vLLM here: {vllm_version})")
+                          f"{config.KVCACHED_PD_DISABLE}, so vLLM's NIXL connector names "
+                          "build vLLM's own connectors, which move KV by per-block descriptors")
     push = (f"{api.push_name} (push) too" if api.push_name else "this vLLM has no push mode")
     return "staged", (f"vLLM {vllm_version}: {', '.join(api.pull_names)} (pull) build "
                       f"kvcached-pd's {vllm_api.CONNECTOR_CLASS}; {push}; TP>1 and peers "
                       "without kvcached-pd take vLLM's own connector inside it, and it says so")
+
+
+def routing_remedy(settings: config.Settings) -> str | None:
+    """With ``connector_routing`` disabled, the two ways to a configuration that serves
+    (the staged transport needs kvcached-pd's connector; the direct one cannot move
+    kvcached's contiguous layout); None while the routing is on."""
+    from kvcached_pd.patches.connector_routing import ConnectorRoutingPatch
+
+    if ConnectorRoutingPatch.name not in settings.disabled_patches:
+        return None
+    return (f"Remove {ConnectorRoutingPatch.name} from {config.KVCACHED_PD_DISABLE} "
+            "(kvcached-pd's connector then serves), or use the direct transport "
+            f"({config.KVCACHED_PD_TRANSPORT}=direct) with "
+            f"{config.KVCACHED_CONTIGUOUS_LAYOUT}=false.")
 
 
 def transport_problems(settings: config.Settings, vllm_version: str | None,
@@ -159,9 +168,11 @@ def transport_problems(settings: config.Settings, vllm_version: str | None,
     transport, why = serving_transport(settings, vllm_version, connector)
     if transport == "staged":
         return []
+    remedy = routing_remedy(settings) or (
+        f"Unset {config.KVCACHED_PD_TRANSPORT} (the direct path then serves) or install a "
+        "vLLM the staged transport supports.")
     return [f"{config.KVCACHED_PD_TRANSPORT}=staged was asked for but cannot serve: {why}. "
-            f"Unset {config.KVCACHED_PD_TRANSPORT} (the direct path then serves) or install "
-            "a vLLM the staged transport supports."]
+            + remedy]
 
 
 def staging_memory_problems(settings: config.Settings, free_bytes: int | None,

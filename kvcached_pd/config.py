@@ -273,8 +273,10 @@ VARIABLES: tuple[Variable, ...] = (
              _parse_kvcached_pd, "forced"),
     Variable(KVCACHED_PD_DISABLE, "empty", "comma-separated patch names to leave out "
              "(`kvcached-pd doctor` lists them); unknown names stop startup; "
-             "`connector_guard` cannot waive a blocking problem; `connector_routing` keeps "
-             "vLLM's NIXL connectors with the older staging hooks (vLLM 0.24-0.28 only)",
+             "`connector_guard` cannot waive a blocking problem; `connector_routing` leaves "
+             "vLLM's NIXL connector names to vLLM's own connectors (per-block descriptors: "
+             "an explicit `KVCACHED_PD_TRANSPORT=staged`, or kvcached's contiguous layout, "
+             "then stops startup)",
              _parse_disable, "disabled_patches"),
     Variable(KVCACHED_PD_TRANSPORT, "`staged` with kvcached, else `direct`", "`staged`: the "
              "staged transport, kvcached-pd's connector (pull: vLLM 0.20-0.30; push: 0.24-0.30; "

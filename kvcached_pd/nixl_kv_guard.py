@@ -24,13 +24,14 @@ its handshake fails (NIXL refuses an empty list). A kvcached-pd peer prepares th
 guard's one byte instead (:func:`preparing_peer`), so its handshake (and the staged
 transport's) succeeds, and NIXL rejects every per-block request before moving a byte
 (``NIXL_ERR_INVALID_PARAM``: block index out of range, or a length mismatch), which
-vLLM handles as a failed transfer. Checked against real NIXL in
-tests/test_contiguous_registration.py.
+vLLM handles as a failed transfer. Checked against real NIXL, through kvcached-pd's
+connector, in tests/test_connector_kvcached_layouts.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -40,6 +41,32 @@ logger = logging.getLogger("kvcached_pd")
 GUARD_BYTES = 4096
 LOCAL_AGENT = "NIXL_INIT_AGENT"  # the name NIXL's prep_xfer_dlist takes for local lists
 STATE_ATTR = "_kvcached_pd_kv_guard"
+
+# Why the staged path does not move the KV being registered; None while kvcached-pd's
+# connector registers the caches of an engine it stages (its inner NIXL connector's
+# registration, which the registration patch sees).
+NOT_THE_CONNECTOR = ("vLLM's own NIXL connector registers it, not kvcached-pd's connector "
+                     "(the connector_routing patch builds KvcachedPDConnector for vLLM's NIXL "
+                     "connector names; is it named in KVCACHED_PD_DISABLE?)")
+_why_not_staged: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kvcached_pd_why_not_staged", default=NOT_THE_CONNECTOR)
+
+
+@contextlib.contextmanager
+def registering_for_the_connector(why_not_staged: str | None) -> Iterator[None]:
+    """Around the inner connector's ``register_kv_caches``, by kvcached-pd's connector:
+    ``why_not_staged`` is None when its staged path moves this engine's KV, else the
+    reason it does not (TP > 1, another KV-cache group, ...)."""
+    token = _why_not_staged.set(why_not_staged)
+    try:
+        yield
+    finally:
+        _why_not_staged.reset(token)
+
+
+def why_not_staged() -> str | None:
+    """None when the caches being registered are moved by the staged path only."""
+    return _why_not_staged.get()
 
 
 def _is_plain(descs: Any) -> bool:
@@ -187,9 +214,6 @@ def preparing_peer(worker: Any, nixl_agent_meta: Any) -> Iterator[None]:
             return real_xfer(descs, *args, **kwargs)
 
         methods["get_xfer_descs"] = get_xfer_descs
-        from kvcached_pd.registry import PEERS_WITHOUT_KV_ATTR
-
-        vars(worker).setdefault(PEERS_WITHOUT_KV_ATTR, set()).add(nixl_agent_meta.engine_id)
         logger.info("kvcached-pd: peer %s registered no KV blocks (kvcached's contiguous "
                     "layout): only its staging can be read; direct transfers fail",
                     getattr(nixl_agent_meta, "engine_id", "?"))

@@ -1,6 +1,6 @@
 """Geometry of every KV cache tensor kvcached creates in this process.
 
-The original patch (../shared/seeds/000) passed the block budget through a module
+An earlier version of this integration passed the block budget through a module
 global of kvcached's, which holds one value per process; its review objected that
 several engines or KV-cache groups overwrite each other. This registry keeps one
 record per tensor instead, keyed by (allocation, KV-cache group, layer) and looked up
@@ -146,36 +146,6 @@ class GeometryRegistry:
 
 REGISTRY = GeometryRegistry()
 
-DIRECT_PATH_ATTR = "_kvcached_pd_direct_path_safe"
-PEERS_WITHOUT_KV_ATTR = "_kvcached_pd_peers_without_kv"  # engine ids, set at handshake
-
-
-def interleaves_layers(tensor: Any) -> bool:
-    """Whether ``tensor`` is a kvcached KV tensor in the contiguous (layer-interleaved)
-    layout; False for tensors kvcached-pd has no record of."""
-    geometry = REGISTRY.lookup(tensor)
-    return geometry is not None and geometry.interleaves_layers
-
-
-def direct_path_safe(worker: Any) -> bool:
-    """Whether vLLM's per-block (direct) NIXL path may move this worker's KV.
-
-    False when kvcached's contiguous layout backs the worker's KV: per-block
-    descriptors would address other layers' bytes, so only the staged transport
-    (which packs and unpacks locally through strided views) may move it. The
-    ``nixl_registration`` patch decides it when vLLM registers the caches (and then
-    registers no KV memory with NIXL, so a direct transfer fails instead of moving
-    wrong bytes); before that, or for a worker it did not see, it is read from the
-    tensors the registry knows. The staged path must never fall back to the direct
-    path for a worker where this is False.
-    """
-    decided = vars(worker).get(DIRECT_PATH_ATTR) if hasattr(worker, "__dict__") else None
-    if decided is not None:
-        return bool(decided)
-    caches = getattr(worker, "device_kv_caches", None) or {}
-    return not any(interleaves_layers(c) for c in caches.values() if hasattr(c, "data_ptr"))
-
-
 def state_dir() -> str:
     # Read at each call, not from the once-parsed settings: tests point it elsewhere.
     return config.state_dir()
@@ -215,12 +185,3 @@ def live_snapshots() -> Iterable[dict[str, Any]]:
         except (OSError, ValueError):
             continue
     return out
-
-
-def peer_direct_path_safe(worker: Any, engine_id: str) -> bool:
-    """Whether vLLM's per-block path may read from (or write to) peer ``engine_id``:
-    False for a peer that registered no KV with NIXL (kvcached's contiguous layout,
-    seen in its handshake by the ``nixl_registration`` patch), and for any peer when
-    this worker's own KV must not take that path (:func:`direct_path_safe`)."""
-    peers = vars(worker).get(PEERS_WITHOUT_KV_ATTR, ()) if hasattr(worker, "__dict__") else ()
-    return direct_path_safe(worker) and engine_id not in peers

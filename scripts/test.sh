@@ -16,8 +16,8 @@ MATRIX=("$@")
 # 0.20 (split nixl package), 0.23 (kv_lease and the pp-aware handshake before the
 # pull/push split; FlashAttention blocks-first, refused over kvcached's split-half
 # memory), 0.26 (GPU-validated; pull/push share a base), 0.28 (last release of that code
-# layout: the staged transport's range), 0.30 (layout resolved in the EngineCore,
-# storage-wide registration)
+# layout), 0.30 (layout resolved in the EngineCore, kvcached's model-runner-V2
+# allocation, storage-wide registration)
 [ ${#MATRIX[@]} -gt 0 ] || MATRIX=(0.20.2 0.23.0 0.26.0 0.28.0 0.30.0)
 VENVS=${KVCACHED_PD_VENVS:-$REPO/.venv-test}
 export HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1

@@ -24,13 +24,13 @@ def handoff(p: pd.Engine, d: pd.Engine, req_id: str, prompt: list[int], d_prefix
     while D still held the request's blocks (after its load), each layer's K and V of
     every prompt token on P and on D. ``d_prefix=""``: D's request has P's id, as a
     push-mode proxy sends it (vLLM's push matches D's registration to P's request by id)."""
-    p.sched.add_request(pd.prefill_request(req_id, prompt))
+    p.sched.add_request(pd.prefill_request(req_id, prompt, p.block_hasher))
     assert pd.run([p], lambda: req_id in p.outputs)
     params = p.outputs[req_id].kv_transfer_params
     ids = params["remote_block_ids"]
     p_blocks = list(ids[0] if isinstance(ids[0], list) else ids)
     d_id = d_prefix + req_id
-    d.sched.add_request(pd.decode_request(d_id, prompt, params))
+    d.sched.add_request(pd.decode_request(d_id, prompt, params, block_hasher=d.block_hasher))
     kv = {}
 
     def finished():

@@ -123,6 +123,31 @@ def test_full_staging_on_both_sides_waits_instead_of_taking_the_direct_path(
     assert settle(p, d)
 
 
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_explicit_staging_too_small_for_one_request_stops_the_connector(staged_env,
+                                                                       monkeypatch, role):
+    """KVCACHED_PD_STAGING_MB below one max_model_len request (here 2048 tokens x
+    1.5 KiB = 3 MiB) would make such a request wait for room forever: vLLM's factory
+    cannot build the connector, in the scheduler or in a worker, so startup stops."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvcached_pd import config
+    from kvcached_pd.transport.sizing import StagingSizeError
+    from tests.support import vllm_nixl_worker as vw
+
+    monkeypatch.setenv("KVCACHED_PD_STAGING_MB", "1")
+    config.reset_settings_for_tests()
+    vllm_config = pd.connector_config("kv_both", 16, 40, engine_id="small")
+    vw.ensure_distributed(vllm_config)
+    pd.resolve_layout(vllm_config)
+    kv_cache_config = vw.kv_cache_config(pd.LAYER_NAMES, 40, 16, pd.HEADS, pd.HEAD_DIM)
+    with set_current_vllm_config(vllm_config), pytest.raises(
+            StagingSizeError, match="=1 cannot hold the KV of one max_model_len=2048 request"):
+        KVConnectorFactory.create_connector(vllm_config, KVConnectorRole[role], kv_cache_config)
+
+
 def test_decode_aborts_before_scheduling_and_mid_read_free_both_sides(staged_env):
     from vllm.v1.request import RequestStatus
 
@@ -348,3 +373,110 @@ def test_many_aborts_on_both_sides_leak_nothing(staged_env, monkeypatch, inner):
     finally:
         for engine in (p, d):
             engine.worker.shutdown()
+
+
+def test_a_staged_read_nixl_refuses_fails_the_load_and_frees_the_extent(staged_env):
+    """NIXL refuses to start D's READ: D lives, the request's load fails through vLLM's
+    own path (its blocks reported invalid) and D's extent for it is freed."""
+    p = pd.make_engine("p", "kv_producer", seed=13)
+    d = pd.make_engine("d", "kv_consumer", seed=14)
+    agent = d.worker._region.agent
+    real_transfer = agent.agent.transfer
+    refused = []
+
+    def transfer(handle, *args, **kwargs):
+        refused.append(handle)
+        raise RuntimeError("NIXL_ERR_BACKEND (injected)")
+
+    agent.agent.transfer = transfer
+    invalid = []
+    real_errors = d.worker.get_block_ids_with_load_errors
+
+    def load_errors():
+        blocks = real_errors()
+        invalid.extend(blocks)
+        return blocks
+
+    d.worker.get_block_ids_with_load_errors = load_errors
+    prompt = list(range(3, 40))
+    p.sched.add_request(pd.prefill_request("x1", prompt))
+    assert pd.run([p], lambda: "x1" in p.outputs)
+    params = p.outputs["x1"].kv_transfer_params
+    assert PARAMS_KEY in params
+    d.sched.add_request(pd.decode_request("d-x1", prompt, params))
+    assert pd.run([p, d], lambda: bool(invalid), timeout_s=10), "no failed load reported"
+    agent.agent.transfer = real_transfer
+    assert len(refused) == 1 and not d.worker._decode_worker.inflight
+    assert len(invalid) == -(-len(prompt) // 16)  # the request's blocks
+    assert pd.run([p, d], lambda: not d.sched.requests and staging_used(d) == 0,
+                  timeout_s=10), "D kept the request or its extent"
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"format_digest": "0" * 16}, "its packed format"),
+    ({"wire_version": 99}, "wire version 99"),
+    ({"tp_size": 2}, "its TP size 2 differs"),
+    ({"nbytes": 1 << 40}, "exceed the"),
+    ({"offset": "far"}, "malformed kvcached_pd"),
+], ids=["format", "wire-version", "tp-size", "larger-than-staging", "malformed"])
+def test_decode_leaves_a_request_it_cannot_stage_to_the_inner_connector(change, reason):
+    """What D's scheduler checks before it takes a request onto the staged path (P's
+    params, no handshake yet): a P of another wire version, packed format or TP size,
+    an extent larger than D's whole staging, or malformed params go to vLLM's own
+    path, counted as a fallback, with the reason logged once per P."""
+    import torch
+
+    from kvcached_pd.connector.decode import DecodeScheduler
+    from kvcached_pd.connector.wire import StagedParams, format_hash
+    from kvcached_pd.transport.format import PackedFormat
+
+    fmt = PackedFormat.for_cache(pd.LAYERS, pd.HEADS, pd.HEAD_DIM, torch.float16)
+    decode = DecodeScheduler(digest=format_hash(fmt, 0, pd.HEADS), block_size=16,
+                             capacity_bytes=4 << 20, tp_size=1)
+    p_params = StagedParams(
+        wire_version=1, engine_id="p-1", request_id="x", host="127.0.0.1", port=1,
+        tp_size=1, offset=0, nbytes=4096, n_tok_slots=16, num_tokens=10, block_size=16,
+        lease_s=30.0, format_digest=decode.digest).to_params()
+    good = pd.decode_request("good", list(range(10)), {
+        "do_remote_prefill": True, "remote_engine_id": "p-1", PARAMS_KEY: p_params})
+    assert decode.staged_params(good) is not None  # the unchanged params are staged
+    bad = pd.decode_request("bad", list(range(10)), {
+        "do_remote_prefill": True, "remote_engine_id": "p-1",
+        PARAMS_KEY: {**p_params, **change}})
+    assert decode.staged_params(bad) is None
+    assert reason in decode.refused_peers["p-1"]
+    assert decode.take_samples() == {"direct_fallbacks": [1]}
+
+
+def test_trace_follows_one_handoff_on_both_sides(staged_env, monkeypatch, caplog):
+    """``KVCACHED_PD_TRACE=1``: one line per event, in the order the request meets them
+    on each side, with the fields experiments/trace_timeline.py joins and times them by
+    (D's ``remote_req`` is P's request id)."""
+    import logging
+
+    from kvcached_pd.transport import trace
+
+    monkeypatch.setenv("KVCACHED_PD_TRACE", "1")
+    trace.reset()
+    caplog.set_level(logging.INFO, logger="kvcached_pd")
+    try:
+        p = pd.make_engine("p", "kv_producer", seed=17)
+        d = pd.make_engine("d", "kv_consumer", seed=18)
+        handoff(p, d, "t1", list(range(2, 42)))
+        assert pd.run([p, d], lambda: not p.connector._prefill.staged, timeout_s=5)
+    finally:
+        trace.reset()
+    events = [e for e in (trace.parse_line(r.getMessage()) for r in caplog.records) if e]
+    on_p = [e for e in events if e["req"] == "t1"]
+    on_d = [e for e in events if e["req"] == "d-t1"]
+    assert [e["ev"] for e in on_p] == ["pack_ordered", "packed", "p_finished", "p_released"]
+    assert [e["ev"] for e in on_d] == ["d_alloc", "read_posted", "read_done",
+                                       "d_recv_reported"]
+    pack_ordered, packed, _, released = on_p
+    d_alloc, posted, done, _ = on_d
+    assert pack_ordered["tokens"] == d_alloc["tokens"] == 40
+    assert posted["remote_req"] == d_alloc["remote_req"] == "t1"
+    assert posted["bytes"] == done["bytes"] == packed["bytes"] > 0
+    assert done["handoff_ms"] >= 0 and packed["device_ms"] >= 0 and released["held_ms"] >= 0
+    assert [e["t"] for e in on_p] == sorted(e["t"] for e in on_p)
+    assert [e["t"] for e in on_d] == sorted(e["t"] for e in on_d)

@@ -99,11 +99,16 @@ def test_routed_nixl_connector_stages_the_handoff(routing):
 
 def _settings(**env):
     base = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_PD="1")
-    return config.read_settings(frozenset({"connector_routing", "staged_transport"}),
-                                {**base, **env})
+    return config.read_settings(frozenset({"connector_routing"}), {**base, **env})
+
+
+ROUTING_OFF = dict(KVCACHED_PD_TRANSPORT="staged", KVCACHED_PD_DISABLE="connector_routing")
 
 
 def test_serving_transport_names_the_path_per_connector():
+    """With the routing, vLLM's NIXL names are staged; without it they are vLLM's own
+    connectors (the direct path), on every release; kvcached-pd's connector named
+    directly stages either way."""
     version = installed_version("vllm")
     api = vllm_api.current()
     s = _settings(KVCACHED_PD_TRANSPORT="staged")
@@ -113,33 +118,38 @@ def test_serving_transport_names_the_path_per_connector():
     if api.push_name:  # the connector serves push wherever vLLM has it
         transport, why = checks.serving_transport(s, version, api.push_name)
         assert transport == "staged", why
-    off = _settings(KVCACHED_PD_TRANSPORT="staged", KVCACHED_PD_DISABLE="connector_routing")
+    off = _settings(**ROUTING_OFF)
     assert off.disabled_patches == frozenset({"connector_routing"})
-    hooks = (0, 24) <= tuple(int(x) for x in version.split(".")[:2]) < (0, 29)
-    for name in (("NixlConnector",) + ((api.push_name,) if api.push_name else ())):
-        assert checks.serving_transport(off, version, name)[0] == (
-            "staged" if hooks else "direct")
+    for name in api.nixl_names + (None,):
+        transport, why = checks.serving_transport(off, version, name)
+        assert transport == "direct" and "connector_routing is disabled" in why
+    assert checks.serving_transport(off, version, vllm_api.CONNECTOR_CLASS)[0] == "staged"
 
 
-def test_explicit_staged_push_without_the_routing_is_refused_outside_the_hooks():
-    """Without the connector routing only the older hooks stage, on vLLM 0.24-0.28; on
-    0.29+ an operator who asked for the staged transport by name is refused (pull and
-    push), and kvcached's contiguous layout is refused even by default, since the
-    direct path would address the wrong bytes. With the routing, both modes serve."""
+def test_explicit_staged_without_the_routing_is_refused_with_both_ways_out():
+    """``KVCACHED_PD_DISABLE=connector_routing`` leaves vLLM's NIXL names to vLLM's own
+    connectors: the staged transport asked for by name cannot serve there (pull and
+    push, every release), and kvcached's contiguous layout, which those connectors
+    would address wrongly, is refused even by default. Both say how to get out."""
     version = installed_version("vllm")
     api = vllm_api.current()
-    explicit = _settings(KVCACHED_PD_TRANSPORT="staged")
-    assert explicit.transport_explicit
-    assert checks.transport_problems(explicit, version, "NixlConnector") == []
+    ways_out = ("Remove connector_routing from KVCACHED_PD_DISABLE (kvcached-pd's connector "
+                "then serves), or use the direct transport (KVCACHED_PD_TRANSPORT=direct) "
+                "with KVCACHED_CONTIGUOUS_LAYOUT=false.")
+    assert checks.transport_problems(_settings(KVCACHED_PD_TRANSPORT="staged"), version,
+                                     "NixlConnector") == []
+    off = _settings(**ROUTING_OFF)
+    assert off.transport_explicit
+    for name in api.nixl_names:
+        problems = checks.transport_problems(off, version, name)
+        assert problems == [
+            "KVCACHED_PD_TRANSPORT=staged was asked for but cannot serve: connector_routing "
+            "is disabled by KVCACHED_PD_DISABLE, so vLLM's NIXL connector names build vLLM's "
+            "own connectors, which move KV by per-block descriptors. " + ways_out]
+    assert checks.transport_problems(off, version, vllm_api.CONNECTOR_CLASS) == []
     env = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_PD="1")
-    if api.push_name:
-        assert checks.transport_problems(explicit, version, api.push_name) == []
-        assert checks.contiguous_layout_problem(env, api.push_name) is None
     assert checks.contiguous_layout_problem(env, "NixlConnector") is None
-    if not api.push_name or (0, 24) <= tuple(int(x) for x in version.split(".")[:2]) < (0, 29):
-        return  # no push mode, or the hooks serve both modes without the routing here
-    off = _settings(KVCACHED_PD_TRANSPORT="staged", KVCACHED_PD_DISABLE="connector_routing")
-    problems = checks.transport_problems(off, version, api.push_name)
-    assert problems and "connector_routing is disabled" in problems[0]
-    assert checks.contiguous_layout_problem(dict(env, KVCACHED_PD_DISABLE="connector_routing"),
-                                            api.push_name)
+    for name in api.nixl_names:
+        problem = checks.contiguous_layout_problem(
+            dict(env, KVCACHED_PD_DISABLE="connector_routing"), name)
+        assert problem is not None and problem.endswith(ways_out)

@@ -215,22 +215,22 @@ def test_gate_closed_leaves_vllm_alone(patched, vllm_config, monkeypatch):
 
 
 @pytest.mark.parametrize("transport,reason", [
-    ("staged", "the staged_transport patch is not applied"),
+    ("staged", "vLLM's own NIXL connector registers it, not kvcached-pd's connector"),
     ("direct", "KVCACHED_PD_TRANSPORT=direct"),
 ])
 def test_contiguous_layout_without_the_staged_transport_is_refused(
         patched, vllm_config, monkeypatch, transport, reason):
     """kvcached's contiguous layout: per-block descriptors would read other layers'
-    bytes, so registration stops unless the staged transport will move the KV."""
+    bytes, so registration stops unless kvcached-pd's connector registers the caches of
+    an engine it stages (here vLLM's own NixlConnector worker registers them: the
+    connector_routing patch disabled, say). tests/test_connector_kvcached_layouts.py
+    has the connector's side."""
     monkeypatch.setenv("KVCACHED_PD_TRANSPORT", transport)
     backend = vw.attention_backend("FLASH_ATTN")
     caches = kvcached_caches(backend, contiguous=True)
     assert all(REGISTRY.lookup(t).interleaves_layers for t in caches.values())
     with pytest.raises(UnsupportedConfiguration, match="only the staged transport") as error:
         register(vllm_config, backend, caches)
-    if transport == "staged" and not (0, 24) <= vllm_release() < (0, 29):
-        # no hooks there: both modes are the connector's, only through the routing patch
-        reason = "without the connector_routing patch, not here"
     assert reason in str(error.value) and "KVCACHED_CONTIGUOUS_LAYOUT=false" in str(error.value)
 
 

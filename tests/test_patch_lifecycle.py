@@ -169,10 +169,6 @@ class TestPushPrefixAlignment(PatchLifecycle):
     patch_name = "push_prefix_alignment"
 
 
-class TestStagedTransport(PatchLifecycle):
-    patch_name = "staged_transport"
-
-
 class TestConnectorRouting(PatchLifecycle):
     patch_name = "connector_routing"
 

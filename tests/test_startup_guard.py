@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import vllm_release
 from tests.support import subproc
 
 CREATE = r"""
@@ -55,6 +54,11 @@ def kvcached_on_path() -> dict[str, str]:
 
 DIRECT = dict(GOOD, KVCACHED_PD_TRANSPORT="direct")
 CONTIGUOUS_DIRECT = "KVCACHED_CONTIGUOUS_LAYOUT=false or use the staged transport"
+# KVCACHED_PD_DISABLE=connector_routing: vLLM's NIXL names build vLLM's own connectors
+ROUTING_OFF = dict(GOOD, KVCACHED_PD_DISABLE="connector_routing")
+ROUTING_WAYS_OUT = ("Remove connector_routing from KVCACHED_PD_DISABLE (kvcached-pd's "
+                    "connector then serves), or use the direct transport "
+                    "(KVCACHED_PD_TRANSPORT=direct) with KVCACHED_CONTIGUOUS_LAYOUT=false.")
 
 
 @pytest.mark.parametrize("env,message", [
@@ -67,6 +71,13 @@ CONTIGUOUS_DIRECT = "KVCACHED_CONTIGUOUS_LAYOUT=false or use the staged transpor
     (dict(GOOD, KVCACHED_PD="maybe"), "KVCACHED_PD='maybe' is not a recognised value"),
     (dict(GOOD, VLLM_KV_CACHE_LAYOUT="HND", KVCACHED_PD_DISABLE="connector_guard"),
      "names connector_guard, which cannot waive these"),
+    (dict(ROUTING_OFF, KVCACHED_PD_TRANSPORT="staged"),
+     "KVCACHED_PD_TRANSPORT=staged was asked for but cannot serve: connector_routing is "
+     "disabled by KVCACHED_PD_DISABLE, so vLLM's NIXL connector names build vLLM's own "
+     "connectors, which move KV by per-block descriptors. " + ROUTING_WAYS_OUT),
+    ({k: v for k, v in ROUTING_OFF.items() if k != "KVCACHED_CONTIGUOUS_LAYOUT"},
+     "and the direct path would move it: connector_routing is disabled by "
+     "KVCACHED_PD_DISABLE"),
 ])
 def test_bad_configuration_stops_nixl_startup(env, message):
     error = create(**env, **kvcached_on_path())
@@ -107,20 +118,15 @@ def test_explicit_staged_transport_for_push_serves_everywhere_vllm_has_push():
     assert create(push_name(), **env) is None
 
 
-def test_push_without_the_routing_is_staged_only_where_the_old_hooks_reach():
-    """With connector_routing disabled the older hooks stage push on vLLM 0.24-0.28;
-    asked for by name elsewhere, startup stops rather than serve vLLM's per-block
-    path silently."""
+def test_push_without_the_routing_stops_startup_on_every_release_with_push():
+    """With connector_routing disabled, vLLM's own push connector would serve: asked for
+    by name, the staged transport stops startup there too, naming both ways out."""
     if push_name() is None:
-        return
-    env = dict(GOOD, KVCACHED_PD_TRANSPORT="staged", KVCACHED_PD_DISABLE="connector_routing",
-               **kvcached_on_path())
-    error = create(push_name(), **env)
-    if (0, 24) <= vllm_release()[:2] < (0, 29):
-        assert error is None
-    else:
-        assert error is not None and "KVCACHED_PD_TRANSPORT=staged was asked for" in error
-        assert "connector_routing is disabled" in error
+        pytest.skip("vLLM has push mode (NixlPushConnector) from 0.24 on")
+    error = create(push_name(), **ROUTING_OFF, KVCACHED_PD_TRANSPORT="staged",
+                   **kvcached_on_path())
+    assert error is not None and error.startswith("UnsupportedConfiguration")
+    assert "connector_routing is disabled" in error and ROUTING_WAYS_OUT in error
 
 
 def test_hybrid_model_is_refused_when_the_connector_is_created():

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvcached_pd import config, vllm_api
+from kvcached_pd import config, nixl_kv_guard, vllm_api
 from kvcached_pd.connector.decode import ClaimProbe, DecodeScheduler, DecodeWorker
 from kvcached_pd.connector.prefill import PrefillScheduler, PrefillWorker
 from kvcached_pd.connector.records import StepMetadata, WorkerReport
@@ -99,6 +99,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         self._engine_id = str(kv_transfer.engine_id)
         self._kv_role = kv_transfer.kv_role
         self._fmt, reason = staged_reason(vllm_config, kv_cache_config, self._settings)
+        self._why_not_staged = None if self._fmt is not None else reason
         self._prefill: PrefillScheduler | None = None
         self._decode: DecodeScheduler | None = None
         self._prefill_worker: PrefillWorker | None = None
@@ -253,7 +254,10 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ============================================================= worker side
     def register_kv_caches(self, kv_caches: dict) -> None:
-        self._inner.register_kv_caches(kv_caches)
+        # the registration patch accepts kvcached's contiguous layout only when it is
+        # told, here, that the staged path moves this engine's KV
+        with nixl_kv_guard.registering_for_the_connector(self._why_not_staged):
+            self._inner.register_kv_caches(kv_caches)
         if self._fmt is None:
             return
         plan = self._plan

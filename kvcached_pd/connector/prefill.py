@@ -20,8 +20,8 @@ before vLLM samples: P's response, which hands D the extent, cannot exist before
 pack has run. ``done`` (``build_connector_worker_meta``) collects D's DONE notifications.
 
 Push mode (the inner connector is vLLM's ``NixlPushConnector``): a staged D READs the
-extent exactly as in pull mode (one READ; the hooks' staged WRITE measured 2.52 ms at
-94 MiB against the READ's 1.95 ms on the host), but vLLM's push connector has no
+extent exactly as in pull mode (one READ; the staged WRITE of the hooks this connector
+replaced measured 2.52 ms at 94 MiB against the READ's 1.95 ms on the host), but vLLM's push connector has no
 "done" notification that frees P's blocks without a WRITE: they would stay held for
 the whole KV lease (30 s) after every request. So ``finished_sending``
 (``get_finished``) reports a packed request as sent once D's DONE arrives (vLLM's

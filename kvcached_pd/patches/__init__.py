@@ -17,7 +17,6 @@ from kvcached_pd.patches.kvcached_coexistence import KvcachedCoexistencePatch
 from kvcached_pd.patches.nixl_layout import NixlLayoutPatch
 from kvcached_pd.patches.nixl_registration import NixlRegistrationPatch
 from kvcached_pd.patches.push_prefix_alignment import PushPrefixAlignmentPatch
-from kvcached_pd.patches.staged_transport import StagedTransportPatch
 
 PATCHES: tuple[Patch, ...] = (
     KvcachedCoexistencePatch(),
@@ -27,8 +26,7 @@ PATCHES: tuple[Patch, ...] = (
     KvcachedMrv2AllocPatch(),
     NixlLayoutPatch(),
     NixlRegistrationPatch(),
-    PushPrefixAlignmentPatch(),  # before the staged hooks, which wrap the same method
-    StagedTransportPatch(),  # the older hooks, 0.24-0.28, only with connector_routing disabled
+    PushPrefixAlignmentPatch(),  # vLLM's own per-block push (plain peers, direct transport)
     ConnectorMetricsPatch(),
 )
 

@@ -4,8 +4,8 @@ vLLM's NIXL stats travel from each process to the API server's Prometheus regist
 a dict of lists (``NixlKVConnectorStats.data``) and become metrics in
 ``NixlPromMetrics``; both classes are public and identical from vLLM 0.20 to 0.30.
 kvcached-pd's samples ride along under their own keys
-(:data:`kvcached_pd.connector.stats.STAT_KEYS`; kvcached-pd's connector and the push
-hooks add them) and this patch makes ``vllm:kvcached_pd_*`` metrics of them:
+(:data:`kvcached_pd.connector.stats.STAT_KEYS`, which kvcached-pd's connector adds) and
+this patch makes ``vllm:kvcached_pd_*`` metrics of them:
 occupancy of each side's staging range as gauges (the last sample is current),
 fallbacks and waits as counters, pack/READ/unpack/handoff times as histograms.
 
@@ -45,7 +45,7 @@ SERIES = (
      "kvcached-pd: requests that took the direct path instead of staging", None),
     ("kvcached_pd_staging_waits", "vllm:kvcached_pd_staging_waits",
      "kvcached-pd: requests that waited for staging room (P: prefill held back; D: READ "
-     "or push registration held back)", None),
+     "held back)", None),
 )
 assert {key for key, *_ in SERIES} == set(STAT_KEYS)
 TIME_BUCKETS = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,

@@ -48,7 +48,7 @@ from kvcached_pd.errors import LayoutMismatch, UnsupportedConfiguration
 from kvcached_pd.kv_spans import Span, clip_to, merge_spans, overlaps, physical_spans, within
 from kvcached_pd.patches.base import Patch
 from kvcached_pd.patches.nixl_layout import HEAD_MAJOR_LAYOUTS
-from kvcached_pd.registry import DIRECT_PATH_ATTR, REGISTRY
+from kvcached_pd.registry import REGISTRY
 from kvcached_pd.versions import SUPPORTED_VLLM, installed_version
 
 logger = logging.getLogger("kvcached_pd")
@@ -139,7 +139,7 @@ def plan_registration(worker: Any, kv_caches: dict[str, Any]) -> RegistrationPla
                 "(vLLM >= 0.26); on vLLM 0.23-0.25 every CUDA attention backend, "
                 "FLASH_ATTN included, is blocks-first. Use vLLM 0.20-0.22 with FLASH_ATTN, "
                 "vLLM >= 0.26, or kvcached's contiguous layout with the staged transport "
-                "(vLLM 0.24-0.28)."
+                "(kvcached-pd's connector)."
             )
         narrowed = cache.narrow(geometry.blocks_dim, 0, budget)
         plan.kv_caches[name] = narrowed
@@ -252,30 +252,16 @@ def _watch_nixl_wrapper(worker: Any, plan: RegistrationPlan) -> Iterator[None]:
 def staged_refusal(worker: Any) -> str | None:
     """Why the staged transport will not move this worker's KV, or None if it will.
 
-    Pull and push mode are kvcached-pd's connector's wherever the routing applies (this
-    worker is then its inner NixlConnector or NixlPushConnector, which must never move
-    kvcached KV itself); with the routing disabled the older hooks stage both on vLLM
-    0.24-0.28."""
-    from kvcached_pd.patches import get_patch
-    from kvcached_pd.patches.connector_routing import ConnectorRoutingPatch
-    from kvcached_pd.patches.staged_transport import StagedTransportPatch
-    from kvcached_pd.transport.staged import packed_format_for
-
+    It will when kvcached-pd's connector registers the caches of an engine it stages
+    (this worker is then its inner NixlConnector or NixlPushConnector, which must never
+    move kvcached KV itself): the connector says so around the registration
+    (:func:`kvcached_pd.nixl_kv_guard.registering_for_the_connector`)."""
     transport = config.read_settings(frozenset()).transport
     if transport != "staged":
         return f"{config.KVCACHED_PD_TRANSPORT}={transport}"
-    version = installed_version("vllm")
-    push = "Push" in type(worker).__name__
-    if get_patch(ConnectorRoutingPatch.name).is_patched():
-        pass  # kvcached-pd's connector stages both modes on every release it knows
-    elif version is None or not StagedTransportPatch.vllm_range.contains(version):
-        return (f"the staged transport serves {'push' if push else 'pull'} mode on vLLM "
-                f"{StagedTransportPatch.vllm_range} without the connector_routing patch, "
-                f"not here (vLLM {version})")
-    elif not get_patch("staged_transport").is_patched():
-        return "the staged_transport patch is not applied (KVCACHED_PD_DISABLE?)"
-    if packed_format_for(worker.kv_cache_config, int(getattr(worker, "world_size", 1))) is None:
-        return "the staged transport needs TP=1 and one full-attention KV-cache group"
+    reason = nixl_kv_guard.why_not_staged()
+    if reason is not None:
+        return reason
     if getattr(worker, "use_host_buffer", False):
         return "the staged transport does not serve a host buffer"
     return None
@@ -293,7 +279,6 @@ def _register_without_kv(worker: Any, original, plan: RegistrationPlan, args, kw
         )
     guard = nixl_kv_guard.make_guard(plan.kv_caches, plan.blocks_dims)
     setattr(worker, nixl_kv_guard.STATE_ATTR, guard)
-    setattr(worker, DIRECT_PATH_ATTR, False)
     with nixl_kv_guard.registering_without_kv(worker, guard):
         result = original(worker, guard.stand_ins, *args, **kwargs)
     worker.device_kv_caches = plan.kv_caches  # the real caches for all that follows
@@ -334,7 +319,6 @@ def _make_register_hook(original):
         plan = plan_registration(self, kv_caches)
         if plan.interleaved:
             return _register_without_kv(self, original, plan, args, kwargs)
-        setattr(self, DIRECT_PATH_ATTR, True)
         with _watch_nixl_wrapper(self, plan):
             result = original(self, plan.kv_caches, *args, **kwargs)
         registered = merge_spans(plan.registered) or plan.allowed

@@ -6,16 +6,18 @@ comparable across the prefill and decode processes of one host), the event name 
 and the request id ``req``. ``experiments/trace_timeline.py`` turns the lines of both
 instances into per-request timelines.
 
-Events, in the order a request meets them:
+Events of kvcached-pd's connector, in the order a request meets them:
 
-prefill  ``pack_ordered`` (scheduler reserved an extent; ``since_arrival_ms``),
-         ``packed`` (worker; ``device_ms`` of the pack kernels, ``wall_ms`` incl. the
-         wait for the step's forward), ``p_finished``, ``p_released`` (extent freed:
-         D's notification or the abort timeout; ``held_ms`` since ``p_finished``)
-decode   ``d_alloc`` (scheduler allocated the blocks the KV lands in;
-         ``since_arrival_ms``), ``read_posted``, ``read_done`` (``seen_ms`` from post
-         to completion seen, ``spin_ms`` spent waiting for it in the same step),
-         ``unpack_done`` (``device_ms``), ``d_recv_reported`` (scheduler learnt it)
+prefill  ``pack_ordered`` (scheduler: the step completing the prompt orders the pack;
+         ``bytes``, ``tokens``, ``since_arrival_ms``), ``packed`` (worker; ``device_ms`` of
+         the pack kernels, one event per step, naming its requests comma-separated),
+         ``p_finished`` (the extent handed to D), ``p_released`` (extent freed: D's DONE,
+         vLLM freeing P's blocks, or the lease; ``held_ms`` since ``p_finished``); push
+         mode also ``p_blocks_released`` (P's blocks reported sent on D's DONE)
+decode   ``d_alloc`` (scheduler allocated the blocks the KV lands in; ``remote_req``,
+         ``tokens``, ``since_arrival_ms``), ``read_posted`` (``bytes``, ``remote_req``),
+         ``read_done`` (``handoff_ms`` from post to the scatter enqueued),
+         ``d_recv_reported`` (the scheduler learnt it)
 
 Off by default: a disabled trace costs one cached boolean test per event.
 """

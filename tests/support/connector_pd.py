@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,7 +29,7 @@ MODULE_PATH = "kvcached_pd.connector"
 
 def connector_config(kv_role: str, block_size: int, num_blocks: int, staged: bool = True,
                      engine_id: str | None = None, inner: str = "NixlConnector",
-                     extra: dict | None = None):
+                     extra: dict | None = None, prefix_caching: bool = False):
     """``inner``: vLLM's NIXL connector, plain or inside kvcached-pd's (push mode:
     ``NixlPushConnector``); ``extra``: its kv_connector_extra_config."""
     from vllm.config import KVTransferConfig
@@ -47,7 +47,7 @@ def connector_config(kv_role: str, block_size: int, num_blocks: int, staged: boo
         if extra:
             config.kv_transfer_config.kv_connector_extra_config = dict(extra)
     config.scheduler_config.async_scheduling = True
-    config.cache_config.enable_prefix_caching = False
+    config.cache_config.enable_prefix_caching = prefix_caching
     config.cache_config.num_gpu_blocks = num_blocks
     return config
 
@@ -78,6 +78,8 @@ class Engine:
     # what the EngineCore hands the API server's Prometheus logger: SchedulerStats'
     # kv_connector_stats, one dict of lists per step that carried any
     stats: list[dict] = field(default_factory=list)
+    # what vLLM's EngineCore hashes each request's blocks with (prefix caching on)
+    block_hasher: Any = None
 
     @property
     def connector(self):
@@ -158,8 +160,14 @@ class Engine:
 
 def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int = 40,
                 seed: int = 0, staged: bool = True, side_channel_port: int = 0,
-                caches: list[torch.Tensor] | None = None, inner: str = "NixlConnector",
-                extra: dict | None = None) -> Engine:
+                caches: list[torch.Tensor] | Callable[[Any], list[torch.Tensor]] | None = None,
+                inner: str = "NixlConnector", extra: dict | None = None,
+                kv_layouts: tuple[str, ...] = ("LBNHC", "LBHNC"),
+                prefix_caching: bool = False) -> Engine:
+    """``caches``: the KV caches, or a function of the engine's ``VllmConfig`` that
+    allocates them once the layout is resolved (kvcached's allocators need it);
+    ``kv_layouts``: what the workers report as supported (vLLM 0.29+), most preferred
+    first; ``prefix_caching``: vLLM's ``--enable-prefix-caching``."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -167,17 +175,14 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
     from vllm.v1.structured_output import StructuredOutputManager
 
     engine_id = f"{name}-{os.getpid()}-{time.monotonic_ns()}"
-    config = connector_config(kv_role, block_size, num_blocks, staged, engine_id, inner, extra)
+    config = connector_config(kv_role, block_size, num_blocks, staged, engine_id, inner, extra,
+                              prefix_caching)
     vw.ensure_distributed(config)
-    vw.forget_resolved_layout()
-    try:  # vLLM 0.29+: the EngineCore resolves the KV layout once, before allocating
-        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    except ImportError:
-        pass
-    else:
-        resolve_kv_cache_layout(config, [["LBNHC", "LBHNC"]])
+    resolve_layout(config, kv_layouts)
     kv_cache_config = vw.kv_cache_config(LAYER_NAMES, num_blocks, block_size, HEADS, HEAD_DIM)
     backend = vw.attention_backend("FLASH_ATTN")
+    if callable(caches):
+        caches = caches(config)
     if caches is None:
         # what the model runner would allocate for the backend: vLLM's own NixlConnector
         # (the inner one, or a plain peer's) registers per-block regions from that shape
@@ -202,7 +207,31 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
                 getattr(sched.get_kv_connector(), setter)({key: handshake})
     finally:
         os.sched_setaffinity(0, affinity)
-    return Engine(name, sched, worker, caches, block_size, port)
+    return Engine(name, sched, worker, caches, block_size, port,
+                  block_hasher=_block_hasher(config, block_size) if prefix_caching else None)
+
+
+def _block_hasher(config, block_size: int):
+    """vLLM's EngineCore hashes a request's full blocks when it creates the request; the
+    prefix cache finds a prompt's cached blocks by those hashes."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)
+
+
+def resolve_layout(config, kv_layouts: tuple[str, ...] = ("LBNHC", "LBHNC")) -> None:
+    """What the EngineCore does before any worker allocates (vLLM 0.29+: resolve the KV
+    layout once from what the workers support); before 0.29 each worker decides, and
+    caches the answer per process, which is forgotten here."""
+    vw.forget_resolved_layout()
+    try:
+        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    except ImportError:
+        return
+    resolve_kv_cache_layout(config, [list(kv_layouts)])
 
 
 def cpu_vllm():
@@ -219,24 +248,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def prefill_request(req_id: str, prompt: list[int]):
+def prefill_request(req_id: str, prompt: list[int], block_hasher=None):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     req = Request(request_id=req_id, prompt_token_ids=list(prompt),
                   sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
-                  pooling_params=None)
+                  pooling_params=None, block_hasher=block_hasher)
     req.kv_transfer_params = {"do_remote_decode": True, "do_remote_prefill": False}
     return req
 
 
-def decode_request(req_id: str, prompt: list[int], params: dict, max_tokens: int = 3):
+def decode_request(req_id: str, prompt: list[int], params: dict, max_tokens: int = 3,
+                   block_hasher=None):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     req = Request(request_id=req_id, prompt_token_ids=list(prompt),
                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                  pooling_params=None)
+                  pooling_params=None, block_hasher=block_hasher)
     req.kv_transfer_params = dict(params)
     return req
 

@@ -1,12 +1,12 @@
-"""kvcached-pd's transport series (connector_metrics patch, every vLLM release) travel in vLLM's own NIXL stats and reach its
-Prometheus metrics (the real ``NixlKVConnectorStats`` / ``NixlPromMetrics``)."""
+"""kvcached-pd's connector series (connector_metrics patch, every vLLM release) travel in
+vLLM's own NIXL stats and reach its Prometheus metrics (the real ``NixlKVConnectorStats`` /
+``NixlPromMetrics``)."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
-
 
 
 @pytest.fixture
@@ -26,23 +26,26 @@ def test_series_survive_aggregation_and_reach_prometheus(staged):
         NixlKVConnectorStats, NixlPromMetrics,
     )
 
-    from kvcached_pd.transport.staged import (
-        STAT_D_STAGING, STAT_FALLBACKS, STAT_HANDOFF, STAT_P_STAGING, STAT_PACK, STAT_WAITS,
-    )
+    from kvcached_pd.connector.stats import PREFIX
+
+    pack, handoff, fallbacks, d_staging, p_staging, waits = (
+        PREFIX + key for key in ("pack_duration", "handoff_duration", "direct_fallbacks",
+                                 "decode_staging_bytes", "prefill_staging_bytes",
+                                 "staging_waits"))
 
     worker_a, worker_b = NixlKVConnectorStats(), NixlKVConnectorStats()
     assert worker_a.is_empty()
-    worker_a.data[STAT_PACK].append(0.002)  # a prefill worker that only packed
+    worker_a.data[pack].append(0.002)  # a prefill worker that only packed
     assert not worker_a.is_empty()  # ... is still reported
-    worker_b.data[STAT_HANDOFF].extend([0.004, 0.006])
+    worker_b.data[handoff].extend([0.004, 0.006])
     worker_b.data["kvcached_pd_read_duration"].append(0.0005)
-    worker_b.data[STAT_FALLBACKS].append(1)
-    worker_b.data[STAT_D_STAGING].extend([4096, 12288, 0])  # sampled on every change
+    worker_b.data[fallbacks].append(1)
+    worker_b.data[d_staging].extend([4096, 12288, 0])  # sampled on every change
     scheduler = NixlKVConnectorStats()  # P's scheduler samples its own range
-    scheduler.data[STAT_P_STAGING].extend([8192, 4096])
-    scheduler.data[STAT_WAITS].extend([1, 1])
+    scheduler.data[p_staging].extend([8192, 4096])
+    scheduler.data[waits].extend([1, 1])
     total = NixlKVConnectorStats().aggregate(worker_a).aggregate(worker_b).aggregate(scheduler)
-    assert total.data[STAT_PACK] == [0.002] and total.data[STAT_HANDOFF] == [0.004, 0.006]
+    assert total.data[pack] == [0.002] and total.data[handoff] == [0.004, 0.006]
     total.reduce()  # vLLM's CLI summary ignores the extra series without failing
 
     registry = prom.CollectorRegistry()
@@ -64,7 +67,7 @@ def test_series_survive_aggregation_and_reach_prometheus(staged):
     # occupancy is a gauge holding the latest sample, not a histogram of samples
     assert value("vllm:kvcached_pd_decode_staging_bytes", {"engine": "0"}) == 0
     assert value("vllm:kvcached_pd_prefill_staging_bytes", {"engine": "0"}) == 4096
-    metrics.observe({**NixlKVConnectorStats().data, STAT_D_STAGING: [65536]}, engine_idx=0)
+    metrics.observe({**NixlKVConnectorStats().data, d_staging: [65536]}, engine_idx=0)
     assert value("vllm:kvcached_pd_decode_staging_bytes", {"engine": "0"}) == 65536
     assert value("vllm:nixl_xfer_time_seconds_count", {"engine": "0"}) == 0  # vLLM's own intact
 
