@@ -154,21 +154,23 @@ def test_shutdown_of_both_halves_raises_nothing_and_stops_kvcached_pds_threads(s
     once raised AttributeError here (its probe closed a client it never had)."""
     import threading
 
+    names = ("kvcached-pd-handshake", "kvcached-pd-claims")
+    earlier = set(threading.enumerate())  # other tests' instances are not shut down
+
+    def ours() -> list[str]:
+        return [t.name for t in set(threading.enumerate()) - earlier
+                if t.name.startswith(names)]
+
     p = pd.make_engine("p", "kv_producer", seed=23, inner=PUSH)
     d = pd.make_engine("d", "kv_consumer", seed=24, inner=PUSH)
     params, want, got = handoff(p, d, "s9", PROMPT)
     assert PARAMS_KEY in params
     assert_same_kv(want, got, len(PROMPT))
-    before = {t.name for t in threading.enumerate() if t.name.startswith("kvcached-pd")}
-    assert "kvcached-pd-handshake" in before  # P's claim listener
+    assert "kvcached-pd-handshake" in ours()  # P's claim listener
     for engine in (d, p):
         engine.sched.shutdown()
         engine.worker.shutdown()
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        left = [t.name for t in threading.enumerate()
-                if t.name.startswith(("kvcached-pd-handshake", "kvcached-pd-claims"))]
-        if not left:
-            break
+    while ours() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not left, f"still running after shutdown: {left}"
+    assert not ours(), f"still running after shutdown: {ours()}"
