@@ -145,3 +145,32 @@ def test_push_decode_aborts_leave_nothing_after_the_lease(staged_env, shut_down)
                   and not p.connector._prefill.staged
                   and d.worker._region.buffer.allocator.used_bytes == 0,
                   timeout_s=LEASE_S + 10), "an abort left blocks or staging behind"
+
+
+def test_shutdown_of_both_halves_raises_nothing_and_stops_kvcached_pds_threads(staged_env):
+    """What vLLM's EngineCore does at exit (the scheduler's and the worker's connector
+    ``shutdown``), after a staged push handoff: nothing raises, and kvcached-pd's side
+    channel (P's claim listener, D's claim client and probe) stops. D's scheduler half
+    once raised AttributeError here (its probe closed a client it never had)."""
+    import threading
+
+    names = ("kvcached-pd-handshake", "kvcached-pd-claims")
+    earlier = set(threading.enumerate())  # other tests' instances are not shut down
+
+    def ours() -> list[str]:
+        return [t.name for t in set(threading.enumerate()) - earlier
+                if t.name.startswith(names)]
+
+    p = pd.make_engine("p", "kv_producer", seed=23, inner=PUSH)
+    d = pd.make_engine("d", "kv_consumer", seed=24, inner=PUSH)
+    params, want, got = handoff(p, d, "s9", PROMPT)
+    assert PARAMS_KEY in params
+    assert_same_kv(want, got, len(PROMPT))
+    assert "kvcached-pd-handshake" in ours()  # P's claim listener
+    for engine in (d, p):
+        engine.sched.shutdown()
+        engine.worker.shutdown()
+    deadline = time.monotonic() + 5
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not ours(), f"still running after shutdown: {ours()}"

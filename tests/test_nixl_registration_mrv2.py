@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvcached_pd import nixl_kv_guard
 from kvcached_pd.kv_spans import physical_spans
 from kvcached_pd.patches import get_patch
 from kvcached_pd.registry import REGISTRY
@@ -156,7 +157,10 @@ def contiguous_worker(vllm_config, engine_id, budget: int = BUDGET):
     first = next(iter(caches.values()))
     assert first.stride(0) * first.element_size() == LAYERS * PAGE  # blocks first
     worker = vw.make_worker(vllm_config, config, engine_id=engine_id)
-    with vw.record_nixl_calls(worker) as calls:
+    # what kvcached-pd's connector does around its inner connector's registration when
+    # its staged path moves this engine's KV (only then is this layout registered)
+    with vw.record_nixl_calls(worker) as calls, \
+            nixl_kv_guard.registering_for_the_connector(None):
         worker.register_kv_caches(caches)
     return worker, caches, calls
 

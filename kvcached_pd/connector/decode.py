@@ -144,8 +144,6 @@ class ClaimProbe:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._claims is not None:
-            self._claims.close()
 
 
 @dataclass
