@@ -6,7 +6,7 @@
 # env:   KVCACHED_PD_VENVS  where the per-version venvs live (default .venv-test/)
 #        REUSE_VENVS=1      keep an existing venv instead of rebuilding it
 # Needs: python3 (3.10 or newer), network access to the package
-# index only (PyPI or the index pip is configured with), about 45 min and 10 GB for the
+# index only (PyPI or the index pip is configured with), about 40 min and 10 GB for the
 # five releases on a fresh 2-core machine (README: what was measured); torch is
 # installed once and shared.
 set -euo pipefail

@@ -101,7 +101,9 @@ def test_a_decode_leg_sent_before_p_answered_is_staged(staged_env, shut_down):
         return "c1" in d.outputs and d.outputs["c1"].finished
     assert pd.run([p, d], finished), "D never finished the request"
     assert_same_kv(kv["p"], kv["d"], len(PROMPT))
-    assert ("c1", 0) in p.done_seen, "P never got D's DONE: the staged READ did not run"
+    # D can finish decoding before its DONE reaches P
+    assert pd.run([p, d], lambda: ("c1", 0) in p.done_seen, timeout_s=LEASE_S / 3), \
+        "P never got D's DONE: the staged READ did not run"
     assert not writes, "P started vLLM's per-block push WRITE"
     assert pd.run([p, d], lambda: not p.sched.requests, timeout_s=LEASE_S / 3), \
         "P's blocks were not freed on D's DONE"
@@ -129,8 +131,10 @@ def test_a_claim_after_p_finished_is_answered_at_once(staged_env, shut_down):
         return "c2" in d.outputs and d.outputs["c2"].finished
     assert pd.run([p, d], finished)
     assert_same_kv(kv["p"], kv["d"], len(PROMPT))
-    assert ("c2", 0) in p.done_seen and not writes
+    # D can finish decoding before its DONE reaches P: settle (P frees its blocks on
+    # that DONE) before asking what P saw
     assert settled(p, d)
+    assert ("c2", 0) in p.done_seen and not writes
 
 
 def test_many_concurrent_legs_of_mixed_length(staged_env, shut_down):
@@ -161,8 +165,8 @@ def test_many_concurrent_legs_of_mixed_length(staged_env, shut_down):
     for req_id, (want, got) in kv.items():
         assert_same_kv(want, got, lengths[req_id])
     assert set(kv) == set(prompts)
+    assert settled(p, d)  # first: a DONE can reach P after D has finished (seen in CI)
     assert {(r, 0) for r in prompts} <= p.done_seen and not writes
-    assert settled(p, d)
 
 
 def test_a_prefill_abort_fails_the_claimed_load_at_once(staged_env, shut_down, caplog):
