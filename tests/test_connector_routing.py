@@ -74,7 +74,7 @@ def test_routing_stays_off_with_the_direct_transport_or_when_disabled(monkeypatc
 def test_routed_nixl_connector_stages_the_handoff(routing):
     """The operator's plain ``kv_connector="NixlConnector"`` on both instances: the
     handoff takes the staged path end to end and moves every token exactly."""
-    from tests.test_connector_pd import handoff, settle, torch_equal
+    from tests.test_connector_pd import handoff, saw_done, settle, torch_equal
 
     routing.patch()
     with pd.cpu_vllm():
@@ -92,7 +92,7 @@ def test_routed_nixl_connector_stages_the_handoff(routing):
             for layer, (a, b) in enumerate(zip(p.tokens(p_blocks, n), d.tokens(d_blocks, n))):
                 assert torch_equal(a, b), f"layer {layer} differs"
             assert settle(p, d)
-            assert ("r1", 0) in p.done_seen, "D's DONE never reached P's own NIXL agent"
+            assert saw_done(p, d, "r1"), "D's DONE never reached P's own NIXL agent"
         finally:
             os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
 
