@@ -47,6 +47,12 @@ class VllmApi:
     handshake_setter: str
     # KVConnectorBase_V1.__init__ takes kv_cache_config (optional before 0.21)
     init_takes_kv_cache_config: str  # "optional" or "required"
+    # the module of NIXL_PACKAGE whose logger says P's lease freed a request's blocks
+    worker_module: str
+
+    @property
+    def lease_expiry_logger(self) -> str:
+        return f"{NIXL_PACKAGE}.{self.worker_module}"
 
     @property
     def nixl_names(self) -> tuple[str, ...]:
@@ -61,20 +67,20 @@ class VllmApi:
 RELEASES: tuple[VllmApi, ...] = (
     VllmApi(releases=">=0.20,<0.23", pull_names=("NixlConnector",), push_name=None,
             lease="abort_timeout", handshake_setter="set_xfer_handshake_metadata",
-            init_takes_kv_cache_config="optional"),
+            init_takes_kv_cache_config="optional", worker_module="worker"),
     # 0.23.0 (checked; 0.21-0.22 not installed): the abort timeout is gone, P's lease
     # is kv_lease_duration, the engine calls the pp-aware handshake setter
     VllmApi(releases=">=0.23,<0.24", pull_names=("NixlConnector",), push_name=None,
             lease="kv_lease", handshake_setter="set_xfer_handshake_metadata_pp_aware",
-            init_takes_kv_cache_config="required"),
+            init_takes_kv_cache_config="required", worker_module="worker"),
     VllmApi(releases=">=0.24,<0.26", pull_names=("NixlConnector", "NixlPullConnector"),
             push_name="NixlPushConnector", lease="kv_lease",
             handshake_setter="set_xfer_handshake_metadata",
-            init_takes_kv_cache_config="required"),
+            init_takes_kv_cache_config="required", worker_module="base_worker"),
     VllmApi(releases=">=0.26,<0.31", pull_names=("NixlConnector", "NixlPullConnector"),
             push_name="NixlPushConnector", lease="kv_lease",
             handshake_setter="set_xfer_handshake_metadata_pp_aware",
-            init_takes_kv_cache_config="required"),
+            init_takes_kv_cache_config="required", worker_module="base_worker"),
 )
 
 SUPPORTED = ">=0.20,<0.31"
@@ -120,11 +126,12 @@ def inner_connector_name(kv_transfer_config: Any) -> str:
     return name
 
 
-# vLLM 0.24+'s NIXL worker logs, at WARNING, each request whose blocks it frees at the
-# end of P's lease. In push mode kvcached-pd's connector frees a staged request's blocks
-# on D's DONE, long before; the inner connector's lease still runs out later and would
-# say so for every request (the connector drops that one line for its own requests).
-LEASE_EXPIRY_LOGGER = f"{NIXL_PACKAGE}.base_worker"
+# vLLM's NIXL worker logs, at WARNING, each request whose blocks it frees at the end of
+# P's lease (the logger: VllmApi.lease_expiry_logger). kvcached-pd's connector frees a
+# staged request's blocks on D's DONE, long before; the inner connector's lease still
+# runs out later whenever vLLM's own notification did not come (D does not send it when
+# P frees on DONE) and would say so for every request: the connector drops that one
+# line for its own requests.
 LEASE_EXPIRY_MESSAGE = "Releasing expired KV blocks for request"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvcached_pd.connector.wire import PARAMS_KEY
@@ -46,12 +48,12 @@ def test_staged_handoff_moves_every_token_exactly(staged_env):
     got = d.tokens(d_blocks, len(prompt))
     for layer, (a, b) in enumerate(zip(want, got)):
         assert torch_equal(a, b), f"layer {layer} differs"
-    # P freed its extent once D's READ was done, and its blocks once D's inner
-    # NixlConnector sent vLLM's notification
-    # well inside P's 30 s lease, which would free it too
+    # P freed its extent and its blocks once D's READ was done (its DONE, or D's inner
+    # NixlConnector's notification after it), well inside P's 30 s lease
     assert pd.run([p, d], lambda: not p.connector._prefill.staged, timeout_s=5)
     assert saw_done(p, d, "r1"), "D's DONE never reached P's own NIXL agent"
-    assert pd.run([p, d], lambda: not p.sched.requests), "P's blocks were never freed"
+    assert pd.run([p, d], lambda: not p.sched.requests, timeout_s=10), \
+        "P's blocks were never freed"
 
 
 def loaded(engine, req_id: str) -> bool:
@@ -190,14 +192,34 @@ def test_prefill_abort_before_its_prompt_completes_frees_the_extent(staged_env):
     assert "gone" not in p.connector._prefill.staged
 
 
-def test_prefill_16_decode_32_block_sizes_hand_off_and_finish_cleanly(staged_env):
+LEASE_S = 10  # P's KV lease in the tests that run past it
+
+
+def short_lease(monkeypatch, seconds: float) -> dict:
+    """The extra config that gives P a KV lease of ``seconds``: vLLM 0.23+ reads
+    ``kv_lease_duration`` there, 0.20-0.22 VLLM_NIXL_ABORT_REQUEST_TIMEOUT."""
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(int(seconds)))
+    return {"kv_lease_duration": seconds}
+
+
+def test_prefill_16_decode_32_block_sizes_hand_off_and_finish_cleanly(staged_env, monkeypatch,
+                                                                      caplog):
     """P with 16-token blocks, D with 32 (vLLM's handshake allows it for pull). vLLM's
     notify-only read with no local block indexes an empty remote block list when the
     sizes differ (IndexError: the decode EngineCore died on the 2 x H200 host), so D
     must never leave such a request to it: the KV arrives exactly, D lives on and
-    settles, and P's extent is freed by D's DONE (its blocks by its lease)."""
-    p = pd.make_engine("p", "kv_producer", block_size=16, seed=11)
-    d = pd.make_engine("d", "kv_consumer", block_size=32, seed=12)
+    settles, and P frees the extent and the blocks on D's DONE. When the inner
+    connector's lease runs out later, P neither reports a request a second time
+    (vLLM's scheduler asserts on an unknown request: P's EngineCore would die) nor
+    warns that it released expired blocks."""
+    import logging
+
+    from kvcached_pd import vllm_api
+
+    caplog.set_level(logging.WARNING)
+    extra = short_lease(monkeypatch, LEASE_S)
+    p = pd.make_engine("p", "kv_producer", block_size=16, seed=11, extra=extra)
+    d = pd.make_engine("d", "kv_consumer", block_size=32, seed=12, extra=extra)
     for i, n in enumerate((17, 45)):
         req = f"bs{i}"
         prompt = list(range(3, 3 + n))
@@ -217,9 +239,59 @@ def test_prefill_16_decode_32_block_sizes_hand_off_and_finish_cleanly(staged_env
         assert pd.run([p, d], done)
         for layer, (a, b) in enumerate(zip(p.tokens(p_blocks, n), got["kv"])):
             assert torch_equal(a, b), f"{req}: layer {layer} differs"
-    # D keeps stepping without dying; nothing of D's is left; P's extents are freed
-    assert pd.run([p, d], lambda: not d.sched.requests and staging_used(d) == 0
-                  and not p.connector._prefill.staged, timeout_s=5)
+        assert pd.run([p, d], lambda: req not in p.sched.requests, timeout_s=LEASE_S)
+        # freed by the staged path on D's DONE, not by the inner connector's lease
+        assert p.worker._prefill_worker.reported_early(req), "P's blocks waited for the lease"
+    finished_at = time.monotonic()
+    # D keeps stepping without dying; nothing is left on either side
+    assert settle(p, d)
+    # past the inner connector's lease: its own report of each request comes and goes
+    pd.run([p, d], lambda: time.monotonic() - finished_at > LEASE_S + 2,
+           timeout_s=LEASE_S + 5)
+    assert not p.worker._prefill_worker._sent_early, "the inner lease's report never came"
+    assert settle(p, d)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in warned if vllm_api.LEASE_EXPIRY_MESSAGE in m], warned
+    assert not [m for m in warned if "lease" in m and "kvcached-pd" in m], warned
+
+
+@pytest.mark.parametrize("d_block_size", [16, 32])
+def test_a_prefill_that_predates_freeing_on_done_is_still_freed(staged_env, caplog,
+                                                                d_block_size):
+    """A kvcached-pd P of an earlier build frees only its extent on D's DONE and sends
+    no ``frees_on_done``: D still asks vLLM's connector to notify it once the load is
+    done, so its blocks are freed while D decodes (not only when D's request ends);
+    with P 16 / D 32, where vLLM cannot notify, D says once that that P holds its
+    blocks to the lease."""
+    import logging
+
+    from vllm.v1.request import RequestStatus
+
+    caplog.set_level(logging.WARNING, logger="kvcached_pd")
+    p = pd.make_engine("p", "kv_producer", seed=13)
+    d = pd.make_engine("d", "kv_consumer", seed=14, block_size=d_block_size)
+    p.worker._prefill_worker.finished_sending = lambda inner: inner  # the earlier P
+    prompt = list(range(5, 50))
+    p.sched.add_request(pd.prefill_request("o1", prompt))
+    assert pd.run([p], lambda: "o1" in p.outputs)
+    params = p.outputs["o1"].kv_transfer_params
+    assert params[PARAMS_KEY].pop("frees_on_done") is True
+    # D decodes for as long as the test needs (its request ending would notify P too)
+    d.sched.add_request(pd.decode_request("d-o1", prompt, params, max_tokens=1 << 20))
+    assert pd.run([p, d], lambda: loaded(d, "d-o1") and not p.connector._prefill.staged,
+                  timeout_s=10)
+    warned = [r.getMessage() for r in caplog.records if "predates" in r.getMessage()]
+    if d_block_size == 16:
+        assert pd.run([p, d], lambda: "o1" not in p.sched.requests, timeout_s=10), \
+            "D no longer asks vLLM to notify an earlier P when its load is done"
+        assert not warned
+    else:
+        pd.run([p, d], lambda: False, timeout_s=1)
+        assert "o1" in p.sched.requests  # held to the lease, as that P did
+        assert len(warned) == 1 and "KV lease" in warned[0]
+    assert not d.outputs.get("d-o1") or not d.outputs["d-o1"].finished
+    d.sched.finish_requests(["d-o1"], RequestStatus.FINISHED_ABORTED)
+    assert pd.run([p, d], lambda: not d.sched.requests and staging_used(d) == 0)
 
 
 @pytest.fixture
@@ -427,7 +499,9 @@ def test_a_staged_read_nixl_refuses_fails_the_load_and_frees_the_extent(staged_e
     ({"tp_size": 2}, "its TP size 2 differs"),
     ({"nbytes": 1 << 40}, "exceed the"),
     ({"offset": "far"}, "malformed kvcached_pd"),
-], ids=["format", "wire-version", "tp-size", "larger-than-staging", "malformed"])
+    ({"frees_on_done": "yes"}, "malformed kvcached_pd"),
+], ids=["format", "wire-version", "tp-size", "larger-than-staging", "malformed",
+        "malformed-flag"])
 def test_decode_leaves_a_request_it_cannot_stage_to_the_inner_connector(change, reason):
     """What D's scheduler checks before it takes a request onto the staged path (P's
     params, no handshake yet): a P of another wire version, packed format or TP size,
@@ -449,6 +523,11 @@ def test_decode_leaves_a_request_it_cannot_stage_to_the_inner_connector(change, 
     good = pd.decode_request("good", list(range(10)), {
         "do_remote_prefill": True, "remote_engine_id": "p-1", PARAMS_KEY: p_params})
     assert decode.staged_params(good) is not None  # the unchanged params are staged
+    # what a P older than frees_on_done sends: still staged, the flag read as False
+    older = pd.decode_request("older", list(range(10)), {
+        "do_remote_prefill": True, "remote_engine_id": "p-1",
+        PARAMS_KEY: {k: v for k, v in p_params.items() if k != "frees_on_done"}})
+    assert decode.staged_params(older).frees_on_done is False
     bad = pd.decode_request("bad", list(range(10)), {
         "do_remote_prefill": True, "remote_engine_id": "p-1",
         PARAMS_KEY: {**p_params, **change}})
@@ -478,9 +557,14 @@ def test_trace_follows_one_handoff_on_both_sides(staged_env, monkeypatch, caplog
     events = [e for e in (trace.parse_line(r.getMessage()) for r in caplog.records) if e]
     on_p = [e for e in events if e["req"] == "t1"]
     on_d = [e for e in events if e["req"] == "d-t1"]
+    # P's blocks released on D's DONE: when the DONE came before vLLM's notification
+    blocks = [e for e in on_p if e["ev"] == "p_blocks_released"]
+    assert len(blocks) <= 1
+    on_p = [e for e in on_p if e["ev"] != "p_blocks_released"]
     assert [e["ev"] for e in on_p] == ["pack_ordered", "packed", "p_finished", "p_released"]
     assert [e["ev"] for e in on_d] == ["d_alloc", "read_posted", "read_done",
                                        "d_recv_reported"]
+    assert all(e["t"] > on_p[2]["t"] for e in blocks)
     pack_ordered, packed, _, released = on_p
     d_alloc, posted, done, _ = on_d
     assert pack_ordered["tokens"] == d_alloc["tokens"] == 40
@@ -489,3 +573,23 @@ def test_trace_follows_one_handoff_on_both_sides(staged_env, monkeypatch, caplog
     assert done["handoff_ms"] >= 0 and packed["device_ms"] >= 0 and released["held_ms"] >= 0
     assert [e["t"] for e in on_p] == sorted(e["t"] for e in on_p)
     assert [e["t"] for e in on_d] == sorted(e["t"] for e in on_d)
+
+
+def test_a_connector_left_without_shutdown_can_be_collected(staged_env):
+    """Nothing process-wide (the lease-expiry log filter on vLLM's logger) keeps a
+    connector alive: each one holds a NIXL agent whose UCX progress thread polls while
+    it lives, and a filter that held its worker kept every engine of the CPU suite
+    alive (vLLM 0.30's NIXL tests took 504 s instead of 139 s on 2 cores)."""
+    import gc
+    import weakref
+
+    # the first engine of a process stays: a traceback kept by one of the modules it
+    # imports holds make_engine's frame
+    pd.make_engine("w", "kv_producer", seed=21)
+    p = pd.make_engine("p", "kv_producer", seed=19)
+    d = pd.make_engine("d", "kv_consumer", seed=20)
+    handoff(p, d, "g1", list(range(4, 30)))
+    refs = [weakref.ref(p.worker._prefill_worker), weakref.ref(d.worker._decode_worker)]
+    del p, d
+    gc.collect()
+    assert [r() for r in refs] == [None, None]

@@ -69,7 +69,7 @@ def test_staged_push_reads_the_extent_and_frees_p_blocks_on_done(staged_env, shu
         "P's blocks were not freed on D's DONE"
     assert ("s1", 0) in p.done_seen
     assert not p.connector._prefill.staged
-    caplog.set_level(logging.WARNING, logger=vllm_api.LEASE_EXPIRY_LOGGER)
+    caplog.set_level(logging.WARNING, logger=vllm_api.current().lease_expiry_logger)
     # past the inner connector's lease: its own report of the request comes and goes
     pd.run([p, d], lambda: time.monotonic() - finished_at > LEASE_S + 2, timeout_s=LEASE_S + 5)
     assert not p.worker._prefill_worker._sent_early, "the inner report never came"

@@ -8,8 +8,9 @@ interface, the way vLLM's ``MultiConnector`` composes connectors:
   move through the staged path (:mod:`.prefill`, :mod:`.decode`), with this
   connector's own NIXL agent, staging registration and handshake listener;
 * everything else (a plain vLLM peer, another format, TP > 1 for now) is the inner
-  connector's, unchanged; P's blocks are always the inner connector's, freed by its
-  notification or its lease, so a plain vLLM decode instance can read them.
+  connector's, unchanged; P's blocks are the inner connector's, so a plain vLLM decode
+  instance can read them, and a staged request's are freed at the first of D's DONE,
+  the inner connector's notification, or its lease (:mod:`.prefill`).
 
 Each vLLM hook is one call on the prefill or decode side plus the inner connector's
 own call; nothing here touches the inner connector's private methods or attributes.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,12 +270,11 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         if plan.prefill_bytes:
             self._prefill_worker = PrefillWorker(
                 self._region, sync_pack=getattr(self._vllm_config, "speculative_config",
-                                                None) is not None, push=self._push,
+                                                None) is not None,
                 horizon_s=2 * vllm_api.kv_lease_seconds(self._vllm_config) + 60)
-            if self._push:
-                self._lease_log_filter = _LeaseExpiryFilter(self._prefill_worker)
-                logging.getLogger(vllm_api.LEASE_EXPIRY_LOGGER).addFilter(
-                    self._lease_log_filter)
+            self._lease_log_filter = _LeaseExpiryFilter(self._prefill_worker)
+            logging.getLogger(vllm_api.current().lease_expiry_logger).addFilter(
+                self._lease_log_filter)
         if plan.decode_bytes:
             self._decode_worker = DecodeWorker(self._region,
                                                spin_s=self._settings.read_spin_us / 1e6)
@@ -372,7 +373,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
             self._inner.shutdown()
         finally:
             if self._lease_log_filter is not None:
-                logging.getLogger(vllm_api.LEASE_EXPIRY_LOGGER).removeFilter(
+                logging.getLogger(vllm_api.current().lease_expiry_logger).removeFilter(
                     self._lease_log_filter)
             if self._listener is not None:
                 self._listener.close()
@@ -387,19 +388,22 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 class _LeaseExpiryFilter(logging.Filter):
-    """Push mode: drops the inner connector's lease-expiry WARNING for requests whose
-    blocks the staged path already released on D's DONE (``PrefillWorker``); vLLM's
-    own requests keep it."""
+    """Drops the inner connector's lease-expiry WARNING for requests whose blocks the
+    staged path already released on D's DONE (``PrefillWorker``); vLLM's own requests
+    keep it. It holds the worker weakly: a filter left on the (process-wide) logger
+    must not keep a connector, its staging and its NIXL agent alive (an agent's UCX
+    progress thread polls as long as it lives)."""
 
     def __init__(self, worker: PrefillWorker) -> None:
         super().__init__()
-        self.worker = worker
+        self.worker = weakref.ref(worker)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith(vllm_api.LEASE_EXPIRY_MESSAGE):
             return True
+        worker = self.worker()
         args = record.args if isinstance(record.args, tuple) else ()
-        return not (args and self.worker.reported_early(str(args[0])))
+        return not (worker is not None and args and worker.reported_early(str(args[0])))
 
 
 def _forward(name: str):

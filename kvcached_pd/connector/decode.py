@@ -7,11 +7,15 @@ Scheduler half (:class:`DecodeScheduler`), one call per vLLM hook:
   anything else (a plain vLLM P, another wire version or format, an extent larger
   than D's staging) is left to the inner NixlConnector, and said so once per peer.
 * ``on_alloc`` (``update_state_after_alloc``): the blocks to unpack into.
-* ``on_finished_recving`` (``update_connector_output``): the READ is done; the caller
-  hands the request to the inner NixlConnector with no block to read, which sends
-  P vLLM's own "done" notification so that P frees its blocks. The request keeps
-  ``do_remote_prefill`` until then, so an abort at any point before it makes the inner
-  connector notify P the same way (vLLM's path for requests aborted before scheduling).
+* ``on_finished_recving`` (``update_connector_output``): the READ is done, and its DONE
+  has told P to free the extent and its blocks (``frees_on_done``); the caller also
+  hands the request to the inner NixlConnector with no block to read, which sends P
+  vLLM's own "done" notification (what freed P's blocks before P freed them on DONE,
+  and what clears the inner connector's own record of the request on P). The request
+  keeps ``do_remote_prefill`` until then, so an abort at any point before it makes the
+  inner connector notify P the same way (vLLM's path for requests aborted before
+  scheduling). vLLM 0.29+ refuses that notification between peers of two KV layouts
+  (its handshake fails, logged by vLLM on D); P's blocks are freed on DONE all the same.
 
 Push mode (the inner connector is vLLM's ``NixlPushConnector``): a staged request is
 READ the same way. D clears its ``do_remote_prefill`` once it has taken it, so the inner
@@ -160,7 +164,7 @@ class DecodeScheduler:
     orders: dict[str, RecvOrder] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
     refused_peers: dict[str, str] = field(default_factory=dict)  # engine id -> reason
-    lease_freed_peers: set[str] = field(default_factory=set)  # P block size differs
+    unnotified_peers: set[str] = field(default_factory=set)  # P block size differs
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     def staged_params(self, request: Any) -> StagedParams | None:
@@ -259,7 +263,7 @@ class DecodeScheduler:
             # make P WRITE its blocks into kvcached memory, the 0.5 GB/s path)
             request.kv_transfer_params["do_remote_prefill"] = False
         elif entry.params.block_size != self.block_size:
-            self._leave_to_lease(entry)
+            self._leave_unnotified(entry)
         trace("d_alloc", request.request_id,
               remote_req=entry.params.request_id if entry.params else entry.claim.key,
               tokens=int(num_external_tokens), claimed=entry.claim is not None,
@@ -292,26 +296,29 @@ class DecodeScheduler:
             if entry is None or entry.blocks is None:
                 continue
             if self.push or entry.params.block_size != self.block_size:
-                continue  # push: P frees them on DONE; P16/D32: by its lease
+                continue  # P frees them on DONE (older P16/D32: by its lease)
             handed.append((entry.request, entry.blocks))
         return handed
 
-    def _leave_to_lease(self, entry: _Pending) -> None:
+    def _leave_unnotified(self, entry: _Pending) -> None:
         """P's and D's block sizes differ: vLLM's notify-only read (no local block)
         indexes group 0 of a remote block list it leaves empty then (vLLM 0.26
         ``pull_worker._read_blocks``: IndexError, the decode EngineCore died on the
         host with P 16 / D 32). So the request never reaches that path: it no longer
         asks for a remote prefill (vLLM's own connector clears the flag the same way
-        once it has taken a request), and P frees its blocks when its KV lease runs
-        out; its staging extent is still freed by D's DONE."""
+        once it has taken a request). P frees its blocks on D's DONE; a kvcached-pd P
+        older than ``frees_on_done`` frees only its extent then, and its blocks when its
+        KV lease runs out (said once per such P)."""
         entry.request.kv_transfer_params["do_remote_prefill"] = False
-        if entry.params.engine_id not in self.lease_freed_peers:
-            self.lease_freed_peers.add(entry.params.engine_id)
-            logger.warning(
-                "kvcached-pd: prefill %s uses %d-token blocks, this decode %d: vLLM cannot "
-                "notify it without a read, so it frees each request's blocks when its KV "
-                "lease (%.0f s) runs out instead of at once", entry.params.engine_id,
-                entry.params.block_size, self.block_size, entry.params.lease_s)
+        if entry.params.frees_on_done or entry.params.engine_id in self.unnotified_peers:
+            return
+        self.unnotified_peers.add(entry.params.engine_id)
+        logger.warning(
+            "kvcached-pd: prefill %s uses %d-token blocks, this decode %d, and predates "
+            "freeing blocks on kvcached-pd's DONE: vLLM cannot notify it without a read, so "
+            "it frees each request's blocks when its KV lease (%.0f s) runs out instead of "
+            "at once; upgrade its kvcached-pd", entry.params.engine_id,
+            entry.params.block_size, self.block_size, entry.params.lease_s)
 
     def on_request_finished(self, request: Any) -> None:
         entry = self.pending.get(request.request_id)
@@ -320,7 +327,7 @@ class DecodeScheduler:
         if not entry.loading:
             del self.pending[request.request_id]
             if not self.push and entry.params.block_size != self.block_size:
-                self._leave_to_lease(entry)
+                self._leave_unnotified(entry)
         else:
             # vLLM keeps the blocks until the worker reports the load finished.
             self.cancelled.add(request.request_id)

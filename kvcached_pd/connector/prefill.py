@@ -11,24 +11,33 @@ Scheduler half (:class:`PrefillScheduler`), one call per vLLM hook:
 * ``on_finished`` (``request_finished``): add :class:`StagedParams` to the
   ``kv_transfer_params`` that vLLM hands to D.
 * ``on_output`` (``update_connector_output``): free the extent at the first of D's
-  DONE (its READ completed), vLLM freeing P's blocks (a plain D read them, or D
-  notified P after its READ, or an abort), or the lease running out.
+  DONE (its READ completed), vLLM freeing P's blocks (a plain D read them, or an
+  abort), or the lease running out.
 
 Worker half (:class:`PrefillWorker`): ``pack`` (``wait_for_save``) gathers every
 layer's blocks into the extent on the compute stream, after that step's forward and
 before vLLM samples: P's response, which hands D the extent, cannot exist before the
 pack has run. ``done`` (``build_connector_worker_meta``) collects D's DONE notifications.
 
-Push mode (the inner connector is vLLM's ``NixlPushConnector``): a staged D READs the
-extent exactly as in pull mode (one READ; the staged WRITE of the hooks this connector
-replaced measured 2.52 ms at 94 MiB against the READ's 1.95 ms on the host), but vLLM's push connector has no
-"done" notification that frees P's blocks without a WRITE: they would stay held for
-the whole KV lease (30 s) after every request. So ``finished_sending``
-(``get_finished``) reports a packed request as sent once D's DONE arrives (vLLM's
-scheduler frees its blocks then), and drops the inner connector's own report of it
-when its lease runs out later (a second report would trip vLLM's scheduler
-assertion). A plain vLLM decode instance never sends a DONE: its PUSH_REG makes the
-inner connector WRITE P's blocks, which stay held until then.
+P's blocks are freed on D's DONE too, in pull and push mode alike: a staged D never
+reads them, and vLLM's own way of telling P (a notification sent through vLLM's NIXL
+handshake) does not always exist. vLLM's push connector has none without a WRITE;
+vLLM 0.29+ refuses the handshake between peers of two KV layouts (kvcached's
+contiguous layout beside its split layout or vLLM's own memory); vLLM's notify-only
+path cannot serve P 16 / D 32-token blocks. Each of those held P's blocks for the
+whole KV lease (30 s; 480 s on vLLM 0.20) after every request, which under traffic
+fills P's KV cache. So ``finished_sending`` (``get_finished``) reports a packed request
+as sent once D's DONE arrives (vLLM's scheduler frees its blocks then), and drops the
+inner connector's own later report of it (vLLM's notification, which a pull-mode D
+still sends where vLLM's handshake allows, or the inner lease running out, whose
+WARNING the connector drops for these requests): a second report would trip vLLM's
+scheduler assertion. :class:`StagedParams` say so to D (``frees_on_done``). A plain
+vLLM decode instance never sends a DONE: it reads (pull) or is written (push) P's
+blocks, which the inner connector frees as vLLM does.
+
+In push mode a staged D READs the extent exactly as in pull mode (one READ; the staged
+WRITE of the hooks this connector replaced measured 2.52 ms at 94 MiB against the
+READ's 1.95 ms on the host).
 """
 
 from __future__ import annotations
@@ -155,7 +164,7 @@ class PrefillScheduler:
             nbytes=entry.extent.nbytes, n_tok_slots=entry.order.n_tok_slots,
             num_tokens=int(request.num_prompt_tokens), block_size=self.block_size,
             lease_s=self.lease_s,
-            format_digest=self.digest)
+            format_digest=self.digest, frees_on_done=True)
         entry.finished_at = time.monotonic()
         params[PARAMS_KEY] = entry.params.to_params()
         if self.board is not None:
@@ -215,15 +224,14 @@ class PrefillScheduler:
 class PrefillWorker:
     region: StagingRegion
     sync_pack: bool = False  # speculative decoding: vLLM samples before wait_for_save
-    push: bool = False  # the inner connector is vLLM's push connector (module docstring)
-    # push: how long a request's release bookkeeping is kept (twice P's lease + margin)
+    # how long a request's release bookkeeping is kept (twice P's lease + margin)
     horizon_s: float = 120.0
     packing: list[tuple[str, int, Any, Any, float]] = field(default_factory=list)
     samples: dict[str, list[float]] = field(default_factory=dict)
     _done: set[tuple[str, int]] = field(default_factory=set)  # DONEs not reported yet
-    _packed: dict[str, float] = field(default_factory=dict)  # push: blocks held by vLLM
-    _released: set[str] = field(default_factory=set)  # push: DONE seen, not reported
-    _sent_early: dict[str, float] = field(default_factory=dict)  # push: reported by us
+    _packed: dict[str, float] = field(default_factory=dict)  # blocks held by vLLM
+    _released: set[str] = field(default_factory=set)  # DONE seen, not reported yet
+    _sent_early: dict[str, float] = field(default_factory=dict)  # reported by us
 
     def pack(self, packs: dict[str, PackOrder]) -> None:
         """Gather each finished prefill's blocks into its extent, on the compute stream
@@ -251,9 +259,8 @@ class PrefillWorker:
             end.record(stream)
             if self.sync_pack:
                 end.synchronize()
-        if self.push:
-            now = time.monotonic()
-            self._packed.update((req_id, now) for req_id in packs)
+        now = time.monotonic()
+        self._packed.update((req_id, now) for req_id in packs)
         self.packing.append((",".join(packs), sum(o.nbytes for o in packs.values()),
                              start, end, t0))
         self.reap()
@@ -283,11 +290,9 @@ class PrefillWorker:
         return done
 
     def finished_sending(self, inner: Any) -> Any:
-        """What this rank reports as sent: the inner connector's report, plus (push
-        mode) the packed requests D's DONE released, less the inner connector's later
-        report of those (see the module docstring)."""
-        if not self.push:
-            return inner
+        """What this rank reports as sent: the inner connector's report, plus the packed
+        requests D's DONE released, less the inner connector's later report of those
+        (see the module docstring)."""
         self._drain()
         now = time.monotonic()
         sending = set()

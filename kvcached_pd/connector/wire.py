@@ -32,6 +32,10 @@ Wire version history
     its per-engine random suffix, as vLLM's push matches a registration). Nothing of
     version 1 changed meaning, so 1 stays compatible: D claims only from a P whose
     handshake says 2 or more, and leaves the others' concurrent legs to vLLM's push.
+  2, amended 2026-11-25: optional ``frees_on_done`` in :class:`StagedParams`: P frees
+    the request's blocks on D's DONE in pull mode too, not only its extent. An older P
+    omits it (read as False), an older D ignores it; they still work together, so the
+    version stays 2 (only what D logs about P's blocks depends on it).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Mapping
 
 import msgspec
@@ -138,6 +142,8 @@ class StagedParams:
     block_size: int  # P's scheduler block size (tokens)
     lease_s: float  # P frees the extent this long after the request finished at the latest
     format_digest: str
+    # P frees the request's blocks on D's DONE (optional: absent from older builds)
+    frees_on_done: bool = False
 
     def to_params(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,7 +157,7 @@ class StagedParams:
             return None
         if not isinstance(raw, Mapping):
             raise WireError(f"{PARAMS_KEY} in kv_transfer_params is not a mapping: {raw!r}")
-        names = {f.name: f.type for f in fields(cls)}
+        names = {f.name: f.type for f in fields(cls) if f.name in raw or f.default is MISSING}
         missing = sorted(set(names) - set(raw))
         if missing:
             raise WireError(f"{PARAMS_KEY} lacks {missing} (peer wire version "
@@ -170,6 +176,10 @@ def _coerce(value: Any, kind: Any) -> Any:
         return int(value)
     if kind == "float":
         return float(value)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{value!r} is not a boolean")
+        return value
     if kind == "str":
         if not isinstance(value, str):
             raise ValueError(f"{value!r} is not a string")

@@ -12,8 +12,9 @@ prefill  ``pack_ordered`` (scheduler: the step completing the prompt orders the 
          ``bytes``, ``tokens``, ``since_arrival_ms``), ``packed`` (worker; ``device_ms`` of
          the pack kernels, one event per step, naming its requests comma-separated),
          ``p_finished`` (the extent handed to D), ``p_released`` (extent freed: D's DONE,
-         vLLM freeing P's blocks, or the lease; ``held_ms`` since ``p_finished``); push
-         mode also ``p_blocks_released`` (P's blocks reported sent on D's DONE)
+         vLLM freeing P's blocks, or the lease; ``held_ms`` since ``p_finished``), and
+         ``p_blocks_released`` (P's blocks reported sent on D's DONE; absent when
+         vLLM's own notification freed them first)
 decode   ``d_alloc`` (scheduler allocated the blocks the KV lands in; ``remote_req``,
          ``tokens``, ``since_arrival_ms``), ``read_posted`` (``bytes``, ``remote_req``),
          ``read_done`` (``handoff_ms`` from post to the scatter enqueued),

@@ -241,11 +241,23 @@ def cpu_vllm():
 
 
 def _free_port() -> int:
+    """A free port whose claim port (+1000, push mode's staged listener) is free too:
+    a port taken there moves P's listener elsewhere (seen once on 0.30, where a
+    concurrent-push test then failed)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from kvcached_pd.connector.side_channel import claim_port
+
+    for _ in range(50):
+        with socket.socket() as s, socket.socket() as claim:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                claim.bind(("127.0.0.1", claim_port(port)))
+            except (OSError, OverflowError):
+                continue
+            return port
+    raise RuntimeError("no free port pair for a side channel and its claim port")
 
 
 def prefill_request(req_id: str, prompt: list[int], block_hasher=None):
