@@ -241,20 +241,31 @@ def cpu_vllm():
 
 
 def _free_port() -> int:
-    """A free port whose claim port (+1000, push mode's staged listener) is free too:
-    a port taken there moves P's listener elsewhere (seen once on 0.30, where a
-    concurrent-push test then failed)."""
+    """A free side-channel port whose claim port (+1000, push mode's staged listener)
+    is free too, both below the kernel's ephemeral range. A port the kernel hands out
+    between this choice and vLLM's bind (the UCX listeners and connections of the
+    engine's NIXL agents take ephemeral ports) kills vLLM's handshake listener thread,
+    and its ``set_xfer_handshake_metadata`` then waits forever (one full vLLM 0.30
+    run hung so); a claim port taken moves P's staged listener (a concurrent-push
+    test failed so)."""
+    import random
     import socket
 
     from kvcached_pd.connector.side_channel import claim_port
 
-    for _ in range(50):
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    high = ephemeral_low - claim_port(0) - 1
+    for _ in range(200):
+        port = random.randrange(max(1024, high - 10000), high)
         with socket.socket() as s, socket.socket() as claim:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
             try:
+                s.bind(("127.0.0.1", port))
                 claim.bind(("127.0.0.1", claim_port(port)))
-            except (OSError, OverflowError):
+            except OSError:
                 continue
             return port
     raise RuntimeError("no free port pair for a side channel and its claim port")
