@@ -25,13 +25,13 @@ handshake) does not always exist. vLLM's push connector has none without a WRITE
 vLLM 0.29+ refuses the handshake between peers of two KV layouts (kvcached's
 contiguous layout beside its split layout or vLLM's own memory); vLLM's notify-only
 path cannot serve P 16 / D 32-token blocks. Each of those held P's blocks for the
-whole KV lease (30 s; 480 s on vLLM 0.20) after every request, which under traffic
-fills P's KV cache. So ``finished_sending`` (``get_finished``) reports a packed request
-as sent once D's DONE arrives (vLLM's scheduler frees its blocks then), and drops the
-inner connector's own later report of it (vLLM's notification, which a pull-mode D
-still sends where vLLM's handshake allows, or the inner lease running out, whose
-WARNING the connector drops for these requests): a second report would trip vLLM's
-scheduler assertion. :class:`StagedParams` say so to D (``frees_on_done``). A plain
+whole KV lease (30 s; 480 s on vLLM 0.20) after every request: at a steady rate that
+is rate x lease x prompt blocks held, enough to fill P's KV cache (not measured). So
+``finished_sending`` (``get_finished``) reports a packed request as sent once D's DONE
+arrives (vLLM's scheduler frees its blocks then), and drops the inner connector's own
+later report of it (vLLM's notification, which a pull-mode D still sends where vLLM's
+handshake allows, or the inner lease running out, whose WARNING the connector drops
+for these requests): a second report would trip vLLM's scheduler assertion. :class:`StagedParams` say so to D (``frees_on_done``). A plain
 vLLM decode instance never sends a DONE: it reads (pull) or is written (push) P's
 blocks, which the inner connector frees as vLLM does.
 
