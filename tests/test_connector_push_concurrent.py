@@ -102,7 +102,7 @@ def test_a_decode_leg_sent_before_p_answered_is_staged(staged_env, shut_down):
     assert pd.run([p, d], finished), "D never finished the request"
     assert_same_kv(kv["p"], kv["d"], len(PROMPT))
     # D can finish decoding before its DONE reaches P
-    assert pd.run([p, d], lambda: ("c1", 0) in p.done_seen, timeout_s=LEASE_S / 3), \
+    assert saw_done(p, d, "c1", timeout_s=LEASE_S / 3), \
         "P never got D's DONE: the staged READ did not run"
     assert not writes, "P started vLLM's per-block push WRITE"
     assert pd.run([p, d], lambda: not p.sched.requests, timeout_s=LEASE_S / 3), \

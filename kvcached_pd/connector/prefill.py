@@ -31,9 +31,10 @@ is rate x lease x prompt blocks held, enough to fill P's KV cache (not measured)
 arrives (vLLM's scheduler frees its blocks then), and drops the inner connector's own
 later report of it (vLLM's notification, which a pull-mode D still sends where vLLM's
 handshake allows, or the inner lease running out, whose WARNING the connector drops
-for these requests): a second report would trip vLLM's scheduler assertion. :class:`StagedParams` say so to D (``frees_on_done``). A plain
-vLLM decode instance never sends a DONE: it reads (pull) or is written (push) P's
-blocks, which the inner connector frees as vLLM does.
+for these requests): a second report would trip vLLM's scheduler assertion.
+:class:`StagedParams` say so to D (``frees_on_done``). A plain vLLM decode instance
+never sends a DONE: it reads (pull) or is written (push) P's blocks, which the inner
+connector frees as vLLM does.
 
 In push mode a staged D READs the extent exactly as in pull mode (one READ; the staged
 WRITE of the hooks this connector replaced measured 2.52 ms at 94 MiB against the
