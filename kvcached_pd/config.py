@@ -35,6 +35,7 @@ KVCACHED_PD_TRANSPORT = "KVCACHED_PD_TRANSPORT"  # staged | direct
 KVCACHED_PD_STAGING_MB = "KVCACHED_PD_STAGING_MB"  # staging region per worker
 KVCACHED_PD_READ_SPIN_US = "KVCACHED_PD_READ_SPIN_US"  # D: wait this long for a READ about to end
 KVCACHED_PD_PACK_KERNEL = "KVCACHED_PD_PACK_KERNEL"  # auto | triton | torch
+KVCACHED_PD_WIRE = "KVCACHED_PD_WIRE"  # auto | nixl | ipc: how a staged extent reaches D
 KVCACHED_PD_TRACE = "KVCACHED_PD_TRACE"  # log one timestamped line per handoff event
 KVCACHED_PD_TEST_CORRUPT = "KVCACHED_PD_TEST_CORRUPT"  # test-only negative control
 KVCACHED_PD_STATE_DIR = "KVCACHED_PD_STATE_DIR"  # where processes publish registrations
@@ -43,6 +44,11 @@ VLLM_KV_CACHE_LAYOUT = "VLLM_KV_CACHE_LAYOUT"  # vLLM's own; head-major values a
 
 TRANSPORTS = ("staged", "direct")
 PACK_KERNELS = ("auto", "triton", "torch")  # auto: Triton once proven on the device
+# How D takes a staged extent from P: "ipc" maps P's staging through CUDA IPC and unpacks
+# straight from it (same host: 1.5 TB/s on one H100, where NIXL/UCX between two
+# processes on one GPU moves 0.5 GB/s); "nixl" READs it into D's staging; "auto" picks
+# IPC per peer whenever D can open P's staging, NIXL otherwise.
+WIRES = ("auto", "nixl", "ipc")
 # Staged by default when kvcached backs the cache (kvcached memory is never a NIXL
 # remote then); direct, i.e. vLLM's own data path, for plain vLLM unless asked.
 DEFAULT_TRANSPORT_WITH_KVCACHED = "staged"
@@ -217,6 +223,15 @@ def _parse_side_channel_port(raw: str | None, env: Mapping[str, str]) -> Parsed:
     return int(text), None
 
 
+def _parse_wire(raw: str | None, env: Mapping[str, str]) -> Parsed:
+    value = (raw or "auto").strip().lower()
+    if value not in WIRES:
+        return "auto", (f"{KVCACHED_PD_WIRE}={value!r} is not one of {list(WIRES)} (auto: CUDA "
+                        "IPC for a peer on this host whose staging this process can open, "
+                        "NIXL otherwise)")
+    return value, None
+
+
 def _parse_pack_kernel(raw: str | None, env: Mapping[str, str]) -> Parsed:
     value = (raw or "auto").strip().lower()
     if value not in PACK_KERNELS:
@@ -293,6 +308,12 @@ VARIABLES: tuple[Variable, ...] = (
              "launch for all layers once a self-check on the device matched the torch path, "
              "else torch index ops; `triton` requires it (startup stops if it cannot be "
              "used); `torch` never uses it", _parse_pack_kernel, "pack_kernel"),
+    Variable(KVCACHED_PD_WIRE, "auto", "decode side: how a staged extent reaches D. `auto`: "
+             "per peer, CUDA IPC when P is on this host and D can open P's staging (same GPU, "
+             "or a GPU it can peer with; containers need a shared IPC namespace, e.g. "
+             "`--ipc=host`), NIXL otherwise, logged once per peer; `nixl`: always a NIXL READ "
+             "into D's staging; `ipc`: CUDA IPC only (a peer it cannot open fails its "
+             "requests' loads, never takes NIXL)", _parse_wire, "wire"),
     Variable(KVCACHED_PD_READ_SPIN_US, str(DEFAULT_READ_SPIN_US), "decode side: wait up to this "
              "long, within one engine step, for a staged READ predicted to end inside it; `0` "
              f"leaves polling to vLLM; at most {MAX_READ_SPIN_US}",
@@ -337,6 +358,7 @@ class Settings:
     read_spin_us: int = DEFAULT_READ_SPIN_US
     side_channel_port: int = 0
     pack_kernel: str = "auto"
+    wire: str = "auto"
     trace: bool = False
     test_corrupt: bool = False
     problems: tuple[str, ...] = field(default_factory=tuple)
