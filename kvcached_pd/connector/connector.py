@@ -175,8 +175,9 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
             self._prefill.on_output(report.done if isinstance(report, WorkerReport) else (),
                                     connector_output.finished_sending)
         if self._decode is not None:
+            staged = report if isinstance(report, WorkerReport) else WorkerReport()
             for request, blocks in self._decode.on_finished_recving(
-                    connector_output.finished_recving):
+                    connector_output.finished_recving, staged.unread, staged.read):
                 # No block left to read: the inner connector only tells P we are done.
                 self._inner.update_state_after_alloc(request, blocks, 0)
         self._inner.update_connector_output(connector_output)
@@ -264,8 +265,9 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
             return
         plan = self._plan
         tp_rank = vllm_api.tp_rank()
-        self._region = StagingRegion.create(kv_caches, self._kv_cache_config, self._fmt, plan,
-                                            tp_rank, 1)
+        self._region = StagingRegion.create(
+            kv_caches, self._kv_cache_config, self._fmt, plan, tp_rank, 1,
+            offer_ipc=bool(plan.prefill_bytes) and self._settings.wire != "nixl")
         kernels = select_kernel(self._region.layers, self._fmt, self._settings.pack_kernel)
         if plan.prefill_bytes:
             self._prefill_worker = PrefillWorker(
@@ -277,17 +279,19 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                 self._lease_log_filter)
         if plan.decode_bytes:
             self._decode_worker = DecodeWorker(self._region,
-                                               spin_s=self._settings.read_spin_us / 1e6)
+                                               spin_s=self._settings.read_spin_us / 1e6,
+                                               wire_policy=self._settings.wire)
         region = self._region
         logger.info(
             "kvcached-pd: staged transport ready (%s mode, inner %s): %d MiB staging (%s; "
             "prefill %d MiB, decode %d MiB, %s) registered with its own NIXL agent, packed "
             "format %s, %d layers x "
-            "%d-token kernel blocks, pack/unpack kernels: %s", "push" if self._push else "pull",
+            "%d-token kernel blocks, pack/unpack kernels: %s; wire %s (%s)",
+            "push" if self._push else "pull",
             type(self._inner).__name__, region.buffer.tensor.numel() >> 20,
             region.agent.memory_type, plan.prefill_bytes >> 20, plan.decode_bytes >> 20,
             plan.rule, self._fmt.to_dict(), region.layers.num_layers, region.kernel_block_size,
-            kernels)
+            kernels, self._settings.wire, _wire_summary(self._settings.wire, region))
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -357,9 +361,11 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self):
         inner = self._inner.build_connector_worker_meta()
         done = self._prefill_worker.done() if self._prefill_worker is not None else set()
-        if inner is None and not done:
+        unread, read = (self._decode_worker.take_unread() if self._decode_worker is not None
+                        else (set(), set()))
+        if inner is None and not done and not unread and not read:
             return None
-        return WorkerReport(inner=inner, done=done)
+        return WorkerReport(inner=inner, done=done, unread=unread, read=read)
 
     def get_handshake_metadata(self):
         inner = self._inner.get_handshake_metadata()
@@ -385,6 +391,18 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                 self._decode_worker.close()
             if self._region is not None:
                 self._region.agent.close()
+
+
+def _wire_summary(policy: str, region: StagingRegion) -> str:
+    """What KVCACHED_PD_WIRE means for this worker, for its start-up line."""
+    offer = ("offers its staging to same-host decode instances over CUDA IPC"
+             if region.ipc_export is not None else
+             f"offers no CUDA IPC: {region.ipc_reason}" if region.ipc_reason else "")
+    take = {"auto": "takes CUDA IPC from each same-host prefill it can open, NIXL otherwise",
+            "nixl": "takes every extent by NIXL READ", "ipc": "takes CUDA IPC only"}[policy]
+    parts = [part for part in (offer if region.plan.prefill_bytes else "",
+                               take if region.plan.decode_bytes else "") if part]
+    return "; ".join(parts) or "no staged role"
 
 
 class _LeaseExpiryFilter(logging.Filter):

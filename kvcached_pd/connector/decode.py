@@ -68,13 +68,13 @@ import torch
 from kvcached_pd.connector.records import ClaimTarget, RecvOrder
 from kvcached_pd.connector.region import StagingRegion
 from kvcached_pd.connector.side_channel import ClaimClient, claim_port, fetch_handshake
+from kvcached_pd.connector.wires import choose_wire
 from kvcached_pd.connector.wire import (
     CLAIM_WIRE_VERSION,
     COMPATIBLE_WIRE_VERSIONS,
     PARAMS_KEY,
     Claim,
     ClaimReply,
-    Done,
     RankHandshake,
     StagedParams,
     WireError,
@@ -163,6 +163,8 @@ class DecodeScheduler:
     pending: dict[str, _Pending] = field(default_factory=dict)
     orders: dict[str, RecvOrder] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
+    # IPC loads finished whose unpack may still read P's staging (on_finished_recving)
+    parked: dict[str, _Pending] = field(default_factory=dict)
     refused_peers: dict[str, str] = field(default_factory=dict)  # engine id -> reason
     unnotified_peers: set[str] = field(default_factory=set)  # P block size differs
     samples: dict[str, list[float]] = field(default_factory=dict)
@@ -251,6 +253,10 @@ class DecodeScheduler:
 
     def on_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> bool:
         """True when the request is staged (the caller keeps the inner connector out)."""
+        if request.request_id in self.parked:
+            # vLLM reschedules a loaded request through here (0 external tokens): the
+            # inner connector would notify P while D's unpack may still read P's staging
+            return True
         entry = self.pending.get(request.request_id)
         if entry is None:
             return False
@@ -286,9 +292,15 @@ class DecodeScheduler:
         cancelled, self.cancelled = self.cancelled, set()
         return orders, cancelled
 
-    def on_finished_recving(self, req_ids) -> list[tuple[Any, Any]]:
+    def on_finished_recving(self, req_ids, unread=frozenset(), read=frozenset()
+                            ) -> list[tuple[Any, Any]]:
         """(request, blocks) of staged loads that completed: the caller passes them to
-        the inner connector so that P is told and frees its blocks."""
+        the inner connector so that P is told and frees its blocks.
+
+        ``unread``: loads of the IPC wire whose unpack, enqueued, still reads P's staging
+        on the device; ``read``: those whose unpack has run (D sent its DONE). vLLM's
+        notification makes P free the extent, so for the former it waits in
+        :attr:`parked` until the latter says so (the worker's report)."""
         handed = []
         for req_id in req_ids or ():
             trace("d_recv_reported", req_id)
@@ -297,7 +309,14 @@ class DecodeScheduler:
                 continue
             if self.push or entry.params.block_size != self.block_size:
                 continue  # P frees them on DONE (older P16/D32: by its lease)
+            if req_id in unread and req_id not in read:
+                self.parked[req_id] = entry
+                continue
             handed.append((entry.request, entry.blocks))
+        for req_id in read:
+            entry = self.parked.pop(req_id, None)
+            if entry is not None:
+                handed.append((entry.request, entry.blocks))
         return handed
 
     def _leave_unnotified(self, entry: _Pending) -> None:
@@ -321,6 +340,11 @@ class DecodeScheduler:
             entry.params.block_size, self.block_size, entry.params.lease_s)
 
     def on_request_finished(self, request: Any) -> None:
+        if self.parked.pop(request.request_id, None) is not None:
+            # its unpack may still read P's staging: vLLM must not notify P now (it does
+            # for a request that still asks for a remote prefill); P frees on D's DONE
+            request.kv_transfer_params["do_remote_prefill"] = False
+            return
         entry = self.pending.get(request.request_id)
         if entry is None:
             return
@@ -349,8 +373,9 @@ class _Read:
     order: RecvOrder
     params: StagedParams | None = None  # the order's, or claimed from P
     deadline: float = 0.0  # the READ must start before this (monotonic)
-    extent: Extent | None = None
-    handle: Any = None
+    extent: Extent | None = None  # in D's staging (NIXL wire)
+    handle: Any = None  # the NIXL READ
+    wire: Any = None  # the peer's wire (wires.py), once posted
     posted: float = 0.0
     waited: bool = False  # counted once as waiting for staging room
 
@@ -359,11 +384,17 @@ class DecodeWorker:
     """D's worker half (see the module docstring)."""
 
     def __init__(self, region: StagingRegion, handshake_timeout_s: float = 5.0,
-                 spin_s: float = 0.0) -> None:
+                 spin_s: float = 0.0, wire_policy: str = "auto") -> None:
         self.region = region
         self.spin_s = spin_s
+        self.wire_policy = wire_policy  # KVCACHED_PD_WIRE (wires.choose_wire)
         self.handshake_timeout_s = handshake_timeout_s
-        self._peers: dict[tuple[str, int], Future] = {}  # (engine, P rank) -> (name, hs)
+        self._peers: dict[tuple[str, int], Future] = {}  # (engine, P rank) -> its wire
+        self._counted: set[int] = set()  # wires whose IPC fallback was counted
+        # IPC loads reported finished while their unpack may still read P's staging, and
+        # those whose unpack has run since (DONE sent): the scheduler's hand-off waits
+        self.unread: set[str] = set()
+        self.read: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvcached-pd-hs")
         self._lock = threading.Lock()
         self.queued: dict[str, _Read] = {}  # waiting for a handshake or for room
@@ -372,8 +403,9 @@ class DecodeWorker:
         self.finished: set[str] = set()
         self.failed: set[str] = set()
         self.invalid_blocks: set[int] = set()
-        # (start event, end event, extent): freed once the scatter has run on the device
-        self.releasing: list[tuple[Any, Any, Extent]] = []
+        # (start event, end event, extent, (wire, DONE) or None): once the scatter has
+        # run on the device, the extent is freed and the DONE sent (IPC wire)
+        self.releasing: list[tuple[Any, Any, Extent | None, Any]] = []
         self.samples: dict[str, list[float]] = {}
         self._claims: ClaimClient | None = None  # started by the first claim
 
@@ -406,24 +438,28 @@ class DecodeWorker:
         states = self._await_imminent()
         self._take_claims()
         for req_id, read in list(self.inflight.items()):
-            state = states.get(req_id) or self.region.agent.state(read.handle)
+            state = states.get(req_id) or read.wire.state(read)
             if state == "PROC":
                 continue
             del self.inflight[req_id]
-            if state == "DONE":
-                wire_s = self.region.agent.transfer_seconds(read.handle)
-                if wire_s is not None:
-                    self.samples.setdefault("read_duration", []).append(wire_s)
-            self.region.agent.release(read.handle)
+            read.wire.settle(read, self.samples, state)
             if state == "DONE" and req_id not in self.cancelled:
-                self._unpack(req_id, read)
+                try:
+                    self._unpack(req_id, read)
+                except Exception as exc:  # noqa: BLE001 - this request fails, D lives
+                    self._fail(req_id, read, f"its unpack failed: {exc}")
+                    self.cancelled.discard(req_id)
+                    continue
             else:
                 if state != "DONE":
-                    logger.error("kvcached-pd: staged READ of request %s failed (NIXL state "
-                                 "%s)", req_id, state)
+                    logger.error("kvcached-pd: staged READ of request %s failed (%s wire, "
+                                 "state %s)", req_id, read.wire.name, state)
                     self.invalid_blocks.update(read.order.block_ids)
                     self.failed.add(req_id)
-                self.releasing.append((None, None, read.extent))
+                # an aborted request is not unpacked; P may reuse its extent at once
+                message = read.wire.done_message(read) if state == "DONE" else None
+                self.releasing.append((None, None, read.extent,
+                                       (read.wire, message, req_id) if message else None))
             self.cancelled.discard(req_id)
             self.finished.add(req_id)
         self._post_queued()
@@ -442,12 +478,12 @@ class DecodeWorker:
         t0 = time.perf_counter()
         deadline = t0 + self.spin_s
         waiting = {req_id: read for req_id, read in self.inflight.items()
-                   if req_id not in self.cancelled and read.posted
+                   if req_id not in self.cancelled and read.wire.uses_staging and read.posted
                    + read.params.nbytes / EXPECTED_READ_BYTES_PER_S <= deadline}
         states: dict[str, str] = {}
         while waiting:
             for req_id, read in list(waiting.items()):
-                states[req_id] = self.region.agent.state(read.handle)
+                states[req_id] = read.wire.state(read)
                 if states[req_id] != "PROC":
                     del waiting[req_id]
             if time.perf_counter() >= deadline:
@@ -513,16 +549,19 @@ class DecodeWorker:
                 self._peers[key] = future
         return future
 
-    def _handshake(self, params: StagedParams) -> tuple[str, RankHandshake]:
+    def _handshake(self, params: StagedParams):
+        """The peer rank's wire (:func:`~kvcached_pd.connector.wires.choose_wire`)."""
         data = fetch_handshake(params.host, params.port, self.region.tp_rank,
                                self.handshake_timeout_s)
         handshake = RankHandshake.decode(data)
         handshake.check_compatible(self.region.fmt, self.region.digest)
         name = self.region.agent.add_peer(handshake)
-        logger.info("kvcached-pd: staged peer %s rank %d: %d MiB staging, wire version %d",
-                    handshake.engine_id, handshake.tp_rank, handshake.staging_bytes >> 20,
-                    handshake.wire_version)
-        return name, handshake
+        wire = choose_wire(self.wire_policy, self.region, name, handshake)
+        logger.log(logging.WARNING if wire.fell_back else logging.INFO,
+                   "kvcached-pd: staged peer %s rank %d: %d MiB staging, wire version %d, "
+                   "wire %s (%s)", handshake.engine_id, handshake.tp_rank,
+                   handshake.staging_bytes >> 20, handshake.wire_version, wire.name, wire.why)
+        return wire
 
     def _fail(self, req_id: str, read: _Read, reason: str) -> None:
         logger.error("kvcached-pd: request %s: staged load failed: %s", req_id, reason)
@@ -530,7 +569,7 @@ class DecodeWorker:
         self.finished.add(req_id)
         self.failed.add(req_id)
         if read.extent is not None:
-            self.releasing.append((None, None, read.extent))
+            self.releasing.append((None, None, read.extent, None))
 
     def _post_queued(self) -> None:
         """Post queued READs in arrival order while there is room."""
@@ -557,8 +596,11 @@ class DecodeWorker:
                 self._fail(req_id, read, f"no handshake with prefill {params.engine_id}: "
                            f"{future.exception()}")
                 continue
-            peer, handshake = future.result()
-            if read.extent is None:
+            wire = future.result()
+            if wire.fell_back and id(wire) not in self._counted:
+                self._counted.add(id(wire))
+                self.samples.setdefault("wire_fallbacks", []).append(1)
+            if wire.uses_staging and read.extent is None:
                 read.extent = self.region.buffer.alloc(params.nbytes, req_id)
                 if read.extent is None:
                     if not read.waited:
@@ -569,55 +611,80 @@ class DecodeWorker:
                                     self.region.buffer.allocator.used_bytes >> 20, req_id)
                     break  # keep arrival order
                 self._usage_changed()
-            notif = Done(params.request_id, self.region.tp_rank).encode()
             try:
-                read.handle = self.region.agent.read(peer, handshake, params.offset,
-                                                     read.extent.offset, params.nbytes, notif)
+                wire.post(read)
             except Exception as exc:  # noqa: BLE001 - the request's load fails, D lives
                 del self.queued[req_id]
-                self._fail(req_id, read, f"the READ did not start: {exc}")
+                self._fail(req_id, read, f"the {wire.name} transfer did not start: {exc}")
                 continue
             del self.queued[req_id]
+            read.wire = wire
             read.posted = time.perf_counter()
             self.inflight[req_id] = read
-            trace("read_posted", req_id, bytes=params.nbytes, remote_req=params.request_id)
+            trace("read_posted", req_id, bytes=params.nbytes, remote_req=params.request_id,
+                  wire=wire.name)
+
+    def _device_events(self) -> tuple[Any, Any, Any]:
+        """The compute stream and a timing event pair for one unpack; Nones on the CPU,
+        where the unpack has run when it returns."""
+        tensor = self.region.buffer.tensor
+        if not tensor.is_cuda:
+            return None, None, None
+        return (torch.cuda.current_stream(tensor.device), torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True))
+
+    def _source(self, read: _Read) -> torch.Tensor:
+        """The extent's bytes the unpack reads: D's staging (NIXL) or P's (IPC)."""
+        return read.wire.source(read)
 
     def _unpack(self, req_id: str, read: _Read) -> None:
         region = self.region
         order, params = read.order, read.params
-        start = end = stream = None
-        if region.buffer.tensor.is_cuda:
-            stream = torch.cuda.current_stream(region.buffer.tensor.device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream, start, end = self._device_events()
+        source = self._source(read)
+        read.wire.before_unpack(read, stream)
+        if start is not None:
             start.record(stream)
         kernel_ids = region.kernel_ids(list(order.block_ids))
         kbs = region.kernel_block_size
         kernel_ids = kernel_ids[: math.ceil((params.num_tokens - order.first_token) / kbs)]
         if kernel_ids:
-            unpack_request(region.layers, kernel_ids,
-                           region.region(read.extent.offset, params.nbytes), region.fmt,
+            unpack_request(region.layers, kernel_ids, source, region.fmt,
                            params.num_tokens, params.n_tok_slots, order.first_token)
         if end is not None:
             end.record(stream)
-        self.releasing.append((start, end, read.extent))
+        message = read.wire.done_message(read)
+        if message:
+            self.unread.add(req_id)
+        self.releasing.append((start, end, read.extent,
+                               (read.wire, message, req_id) if message else None))
         handoff = time.perf_counter() - read.posted
         self.samples.setdefault("handoff_duration", []).append(handoff)
-        trace("read_done", req_id, bytes=params.nbytes, handoff_ms=round(1e3 * handoff, 3))
+        trace("read_done", req_id, bytes=params.nbytes, handoff_ms=round(1e3 * handoff, 3),
+              wire=read.wire.name)
 
     def _reap(self) -> None:
-        """Free extents whose scatter has run on the device."""
+        """Once a scatter has run on the device: free its extent of D's staging (NIXL
+        wire) or tell P it may reuse its own (IPC wire: the DONE)."""
         still, freed = [], False
-        for start, end, extent in self.releasing:
-            if extent is None:
+        for start, end, extent, notify in self.releasing:
+            if end is not None and not end.query():
+                still.append((start, end, extent, notify))
                 continue
-            if end is None or end.query():
-                if start is not None:
-                    self.samples.setdefault("unpack_duration", []).append(
-                        start.elapsed_time(end) / 1e3)
+            if start is not None:
+                self.samples.setdefault("unpack_duration", []).append(
+                    start.elapsed_time(end) / 1e3)
+            if extent is not None:
                 self.region.buffer.free(extent)
                 freed = True
-            else:
-                still.append((start, end, extent))
+            if notify is not None:
+                wire, message, req_id = notify
+                self.read.add(req_id)
+                try:
+                    wire.send(message)
+                except Exception as exc:  # noqa: BLE001 - P frees it at its lease
+                    logger.warning("kvcached-pd: could not send DONE to prefill %s: %s",
+                                   wire.handshake.engine_id, exc)
         self.releasing = still
         if freed:
             self._usage_changed()
@@ -629,6 +696,12 @@ class DecodeWorker:
     def take_samples(self) -> dict[str, list[float]]:
         samples, self.samples = self.samples, {}
         return samples
+
+    def take_unread(self) -> tuple[set[str], set[str]]:
+        """(loads still reading P's staging, loads whose unpack ran) since the last call."""
+        unread, self.unread = self.unread, set()
+        read, self.read = self.read, set()
+        return unread, read
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

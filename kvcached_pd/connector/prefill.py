@@ -61,6 +61,7 @@ from kvcached_pd.connector.wire import (
     StagedParams,
     base_request_id,
 )
+from kvcached_pd.transport.cuda_ipc import NUM_PACK_EVENTS
 from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.pack import pack_request
 from kvcached_pd.transport.staging import Extent, ExtentAllocator
@@ -96,6 +97,7 @@ class PrefillScheduler:
     requests: dict[str, Any] = field(default_factory=dict)
     waiting: set[str] = field(default_factory=set)
     samples: dict[str, list[float]] = field(default_factory=dict)
+    pack_steps: int = 0  # steps that packed: picks each step's slot of the pack-event ring
 
     # ------------------------------------------------------------- vLLM's hooks
     def admit(self, request: Any) -> bool:
@@ -125,6 +127,7 @@ class PrefillScheduler:
 
     def on_step(self, scheduler_output: Any, yield_req_data) -> dict[str, PackOrder]:
         packs: dict[str, PackOrder] = {}
+        slot = self.pack_steps % NUM_PACK_EVENTS
         num_scheduled = scheduler_output.num_scheduled_tokens or {}
         for req_id, new_block_id_groups, preempted in yield_req_data(scheduler_output):
             if req_id not in self.blocks or new_block_id_groups is None:
@@ -140,11 +143,13 @@ class PrefillScheduler:
             entry = self.staged[req_id]
             n_blocks = math.ceil(int(req.num_prompt_tokens) / self.block_size)
             entry.order = PackOrder(tuple(ids[:n_blocks]), entry.extent.offset,
-                                    entry.extent.nbytes, n_blocks * self.block_size)
+                                    entry.extent.nbytes, n_blocks * self.block_size, slot)
             packs[req_id] = entry.order
             trace("pack_ordered", req_id, bytes=entry.extent.nbytes,
                   tokens=int(req.num_prompt_tokens),
                   since_arrival_ms=ms_since(getattr(req, "arrival_time", None)))
+        if packs:
+            self.pack_steps += 1
         return packs
 
     def on_finished(self, request: Any, delay_free: bool, params: dict | None) -> None:
@@ -165,7 +170,7 @@ class PrefillScheduler:
             nbytes=entry.extent.nbytes, n_tok_slots=entry.order.n_tok_slots,
             num_tokens=int(request.num_prompt_tokens), block_size=self.block_size,
             lease_s=self.lease_s,
-            format_digest=self.digest, frees_on_done=True)
+            format_digest=self.digest, frees_on_done=True, pack_event=entry.order.event_slot)
         entry.finished_at = time.monotonic()
         params[PARAMS_KEY] = entry.params.to_params()
         if self.board is not None:
@@ -256,6 +261,9 @@ class PrefillWorker:
                     f"token slots, the worker has {len(kernel_ids) * region.kernel_block_size}")
             pack_request(region.layers, kernel_ids, region.region(order.offset, order.nbytes),
                          region.fmt)
+        if region.pack_events is not None:
+            # a same-host D's stream waits on this before it unpacks (IPC wire)
+            region.pack_events.record(next(iter(packs.values())).event_slot, stream)
         if end is not None:
             end.record(stream)
             if self.sync_pack:

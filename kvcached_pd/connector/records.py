@@ -28,6 +28,7 @@ class PackOrder:
     offset: int
     nbytes: int
     n_tok_slots: int
+    event_slot: int = -1  # the pack-event slot P's worker records after this step's packs
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,10 @@ class WorkerReport(KVConnectorWorkerMetadata):
     inner: Any = None
     # P: (request id, D rank) READs completed, from D's DONE notifications
     done: set[tuple[str, int]] = field(default_factory=set)
+    # D: IPC loads finished whose unpack may still read P's staging, and those whose
+    # unpack has run (DecodeScheduler.on_finished_recving)
+    unread: set[str] = field(default_factory=set)
+    read: set[str] = field(default_factory=set)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, WorkerReport)
@@ -79,4 +84,5 @@ class WorkerReport(KVConnectorWorkerMetadata):
             inner = other.inner
         elif other.inner is not None:
             inner = inner.aggregate(other.inner)
-        return WorkerReport(inner=inner, done=self.done | other.done)
+        return WorkerReport(inner=inner, done=self.done | other.done,
+                            unread=self.unread | other.unread, read=self.read | other.read)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvcached_pd.connector.wire import RankHandshake, WIRE_VERSION, format_hash
+from kvcached_pd.transport import cuda_ipc
 from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
 from kvcached_pd.transport.sizing import ALIGNMENT, StagingPlan
@@ -96,6 +97,10 @@ class StagingAgent:
         except Exception as exc:  # noqa: BLE001
             logger.warning("kvcached-pd: could not release a NIXL transfer handle: %s", exc)
 
+    def send(self, peer: str, message: bytes) -> None:
+        """A notification to a loaded peer without a transfer (the IPC wire's DONE)."""
+        self.agent.send_notif(peer, message)
+
     def notifications(self) -> list[bytes]:
         messages: list[bytes] = []
         for batch in self.agent.get_new_notifs().values():
@@ -162,18 +167,35 @@ class StagingRegion:
     tp_size: int
     head_start: int
     head_count: int
+    # P: the staging exported for a same-host D's CUDA IPC wire, and its pack events
+    ipc_export: cuda_ipc.StagingExport | None = None
+    pack_events: cuda_ipc.PackEvents | None = None
+    ipc_reason: str = ""  # why there is no export
 
     @classmethod
     def create(cls, kv_caches: dict[str, torch.Tensor], kv_cache_config: Any, fmt: PackedFormat,
-               plan: StagingPlan, tp_rank: int, tp_size: int) -> "StagingRegion":
+               plan: StagingPlan, tp_rank: int, tp_size: int,
+               offer_ipc: bool = False) -> "StagingRegion":
+        """``offer_ipc``: a prefill role that lets same-host decode instances map its
+        staging (:mod:`kvcached_pd.transport.cuda_ipc`); a buffer that cannot be
+        exported is served over NIXL alone, said once here."""
         layers, kernel_bs, ratio = cache_layers(kv_caches, kv_cache_config)
         buffer = StagingBuffer(plan.total_bytes, layers.device, alignment=ALIGNMENT,
                                alloc_start=plan.decode_start, alloc_bytes=plan.decode_bytes)
         agent = StagingAgent(buffer.tensor)
         heads = fmt.num_kv_heads
-        return cls(fmt=fmt, plan=plan, buffer=buffer, agent=agent, layers=layers,
-                   kernel_block_size=kernel_bs, ratio=ratio, tp_rank=tp_rank, tp_size=tp_size,
-                   head_start=tp_rank * heads, head_count=heads)
+        region = cls(fmt=fmt, plan=plan, buffer=buffer, agent=agent, layers=layers,
+                     kernel_block_size=kernel_bs, ratio=ratio, tp_rank=tp_rank,
+                     tp_size=tp_size, head_start=tp_rank * heads, head_count=heads)
+        if offer_ipc:
+            try:
+                region.ipc_export, region.pack_events = cuda_ipc.export_staging(buffer.tensor)
+            except cuda_ipc.IpcUnavailable as exc:
+                region.ipc_reason = str(exc)
+                level = logging.WARNING if buffer.tensor.is_cuda else logging.INFO
+                logger.log(level, "kvcached-pd: this prefill offers no CUDA IPC wire (%s); "
+                           "decode instances READ its extents over NIXL", exc)
+        return region
 
     @property
     def digest(self) -> str:
@@ -186,7 +208,8 @@ class StagingRegion:
             agent_metadata=self.agent.metadata(), staging_base=self.agent.base,
             staging_bytes=self.agent.nbytes, device_id=self.agent.device_id,
             memory_type=self.agent.memory_type, packed_format=self.fmt.to_dict(),
-            head_start=self.head_start, head_count=self.head_count, format_digest=self.digest)
+            head_start=self.head_start, head_count=self.head_count, format_digest=self.digest,
+            ipc=self.ipc_export.to_dict() if self.ipc_export is not None else None)
 
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buffer.tensor[offset: offset + nbytes]

@@ -36,6 +36,12 @@ Wire version history
     the request's blocks on D's DONE in pull mode too, not only its extent. An older P
     omits it (read as False), an older D ignores it; they still work together, so the
     version stays 2 (only what D logs about P's blocks depends on it).
+  2, amended 2026-11-25: the CUDA IPC wire. Optional ``ipc`` in :class:`RankHandshake`
+    (P's staging exported for a same-host D, :mod:`kvcached_pd.transport.cuda_ipc`) and
+    optional ``pack_event`` in :class:`StagedParams` (the slot of P's event ring recorded
+    after the request's pack). An older D ignores both and READs over NIXL; a newer D
+    reads their absence as "no IPC" and READs over NIXL too. The DONE is the same
+    notification on both wires (on the IPC wire D sends it once its unpack has run).
 """
 
 from __future__ import annotations
@@ -108,6 +114,8 @@ class RankHandshake(_Msgpack):
     head_start: int  # this rank's first KV head in the model's numbering (TP > 1)
     head_count: int
     format_digest: str
+    # P's staging exported for CUDA IPC (cuda_ipc.StagingExport.to_dict); None: NIXL only
+    ipc: dict[str, Any] | None = None
 
     def check_compatible(self, own_format: PackedFormat, own_digest: str) -> None:
         """Raise :class:`WireError` unless this peer's extents can be unpacked here."""
@@ -144,6 +152,9 @@ class StagedParams:
     format_digest: str
     # P frees the request's blocks on D's DONE (optional: absent from older builds)
     frees_on_done: bool = False
+    # the slot of P's pack-event ring recorded after this request's pack (IPC wire); -1:
+    # none (an older P, or a P that exports no IPC)
+    pack_event: int = -1
 
     def to_params(self) -> dict[str, Any]:
         return asdict(self)

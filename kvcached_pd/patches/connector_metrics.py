@@ -46,6 +46,9 @@ SERIES = (
     ("kvcached_pd_staging_waits", "vllm:kvcached_pd_staging_waits",
      "kvcached-pd: requests that waited for staging room (P: prefill held back; D: READ "
      "held back)", None),
+    ("kvcached_pd_wire_fallbacks", "vllm:kvcached_pd_wire_fallbacks",
+     "kvcached-pd: same-host prefill peers the decode side could not open over CUDA IPC "
+     "and READs over NIXL instead (KVCACHED_PD_WIRE=auto; the WARNING says why)", None),
 )
 assert {key for key, *_ in SERIES} == set(STAT_KEYS)
 TIME_BUCKETS = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,

@@ -1,0 +1,211 @@
+"""The CUDA IPC wire end to end on the CPU: real vLLM schedulers, real NIXL agents (the
+DONE still travels as a NIXL notification), CUDA IPC replaced by an in-process fake
+(tests/support/fake_cuda_ipc.py) that hands D the very tensor P packed into."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvcached_pd.connector import decode as decode_mod
+from kvcached_pd.connector import prefill as prefill_mod
+from kvcached_pd.connector.region import StagingAgent
+from tests.support import connector_pd as pd
+from tests.support import fake_cuda_ipc
+from tests.test_connector_pd import handoff, saw_done, settle, staging_used, torch_equal
+
+
+@pytest.fixture
+def staged_env(monkeypatch):
+    monkeypatch.setenv("KVCACHED_PD", "1")
+    monkeypatch.setenv("KVCACHED_PD_TRANSPORT", "staged")
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "NHD")
+    with pd.cpu_vllm():
+        yield
+
+
+@pytest.fixture
+def ipc(monkeypatch):
+    return fake_cuda_ipc.install(monkeypatch)
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Every NIXL READ D's staging agent posts (the request ids of their DONEs)."""
+    posted = []
+    original = StagingAgent.read
+
+    def read(self, peer, handshake, remote_offset, local_offset, nbytes, notif):
+        posted.append(notif)
+        return original(self, peer, handshake, remote_offset, local_offset, nbytes, notif)
+
+    monkeypatch.setattr(StagingAgent, "read", read)
+    return posted
+
+
+def same_kv(p, d, p_blocks, d_blocks, n):
+    want, got = p.tokens(p_blocks, n), d.tokens(d_blocks, n)
+    return all(torch_equal(a, b) for a, b in zip(want, got))
+
+
+def wire_of(d):
+    futures = list(d.worker._decode_worker._peers.values())
+    assert len(futures) == 1
+    return futures[0].result()
+
+
+def test_a_same_host_peer_is_unpacked_straight_from_p_staging(staged_env, ipc, reads):
+    p = pd.make_engine("p", "kv_producer", seed=1)
+    d = pd.make_engine("d", "kv_consumer", seed=2)
+    prompt = list(range(1, 45))
+    params, p_blocks, d_blocks = handoff(p, d, "r1", prompt)
+    assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+    assert wire_of(d).name == "ipc" and ipc.opened
+    assert reads == [], "the IPC wire posted a NIXL READ"
+    assert d.series("kvcached_pd_decode_staging_bytes") == [], "D reserved staging"
+    # D's DONE (a NIXL notification without a READ) frees P's extent and blocks
+    assert saw_done(p, d, "r1"), "D's DONE never reached P"
+    assert settle(p, d)
+
+
+def test_p_packs_records_its_event_and_d_waits_on_it_before_unpacking(
+        staged_env, ipc, monkeypatch):
+    def logged(module, name, what):
+        original = getattr(module, name)
+
+        def call(*args, **kwargs):
+            ipc.log.append((what, ""))
+            return original(*args, **kwargs)
+        monkeypatch.setattr(module, name, call)
+
+    logged(prefill_mod, "pack_request", "pack")
+    logged(decode_mod, "unpack_request", "unpack")
+    p = pd.make_engine("p", "kv_producer", seed=3)
+    d = pd.make_engine("d", "kv_consumer", seed=4)
+    prompt = list(range(5, 70))
+    params, p_blocks, d_blocks = handoff(p, d, "r1", prompt)
+    assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+    slot = params["kvcached_pd"]["pack_event"]
+    assert slot >= 0
+    event = f"p1.e{slot}"
+    order = [entry for entry in ipc.log if entry[0] in ("pack", "unpack")
+             or entry[1] == event]
+    assert order == [("pack", ""), ("record", event), ("wait", event), ("unpack", "")], order
+
+
+def test_d_tells_p_only_once_its_unpack_has_run(staged_env, ipc):
+    ipc.unpacks_complete = False
+    p = pd.make_engine("p", "kv_producer", seed=5)
+    d = pd.make_engine("d", "kv_consumer", seed=6)
+    prompt = list(range(3, 40))
+    handoff(p, d, "r1", prompt)
+    # D decoded (its forward is stream-ordered after the unpack), but the unpack has not
+    # run on the device: P must not reuse its extent yet
+    assert not pd.run([p, d], lambda: ("r1", 0) in p.done_seen, timeout_s=2)
+    assert p.connector._prefill.staged, "P freed its extent before D's unpack ran"
+    ipc.unpacks_complete = True
+    assert saw_done(p, d, "r1")
+    assert settle(p, d)
+
+
+def test_an_ipc_open_that_fails_falls_back_to_nixl_logged_once_and_counted(
+        staged_env, ipc, reads, caplog):
+    ipc.fail_open = "the peer runs in another IPC namespace on this host"
+    p = pd.make_engine("p", "kv_producer", seed=7)
+    d = pd.make_engine("d", "kv_consumer", seed=8)
+    with caplog.at_level(logging.INFO, logger="kvcached_pd"):
+        for i, prompt in enumerate((list(range(1, 30)), list(range(9, 60)))):
+            params, p_blocks, d_blocks = handoff(p, d, f"r{i}", prompt)
+            assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+    assert wire_of(d).name == "nixl" and len(reads) == 2
+    warned = [r for r in caplog.records if "wire nixl" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    assert "another IPC namespace" in warned[0].getMessage()
+    assert d.series("kvcached_pd_wire_fallbacks") == [1]
+    assert settle(p, d)
+
+
+def test_a_peer_on_another_host_takes_nixl_without_counting_a_fallback(
+        staged_env, ipc, reads):
+    ipc.fail_open, ipc.fail_same_host = "the peer is on another host", False
+    p = pd.make_engine("p", "kv_producer", seed=9)
+    d = pd.make_engine("d", "kv_consumer", seed=10)
+    prompt = list(range(2, 50))
+    params, p_blocks, d_blocks = handoff(p, d, "r1", prompt)
+    assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+    assert wire_of(d).name == "nixl" and len(reads) == 1
+    assert d.series("kvcached_pd_wire_fallbacks") == []
+
+
+def test_wire_nixl_never_maps_the_peer(staged_env, ipc, reads, monkeypatch):
+    monkeypatch.setenv("KVCACHED_PD_WIRE", "nixl")
+    p = pd.make_engine("p", "kv_producer", seed=11)
+    d = pd.make_engine("d", "kv_consumer", seed=12)
+    prompt = list(range(4, 40))
+    params, p_blocks, d_blocks = handoff(p, d, "r1", prompt)
+    assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+    assert ipc.opened == [] and ipc.exported == {} and len(reads) == 1
+    assert wire_of(d).name == "nixl"
+
+
+def test_wire_ipc_fails_the_loads_of_a_peer_it_cannot_open(staged_env, ipc, reads,
+                                                           monkeypatch):
+    monkeypatch.setenv("KVCACHED_PD_WIRE", "ipc")
+    ipc.fail_open = "this GPU cannot access the peer's GPU directly"
+    p = pd.make_engine("p", "kv_producer", seed=13)
+    d = pd.make_engine("d", "kv_consumer", seed=14)
+    prompt = list(range(6, 50))
+    p.sched.add_request(pd.prefill_request("r1", prompt))
+    assert pd.run([p], lambda: "r1" in p.outputs)
+    params = p.outputs["r1"].kv_transfer_params
+    d.sched.add_request(pd.decode_request("d-r1", prompt, params))
+    failed = []
+    original = d.worker._poll_staged_loads
+
+    def poll():
+        done, bad = original()
+        failed.extend(bad)
+        return done, bad
+    d.worker._poll_staged_loads = poll
+    invalid = []
+    original_invalid = d.worker.get_block_ids_with_load_errors
+
+    def errors():
+        ids = original_invalid()
+        invalid.extend(ids)
+        return ids
+    d.worker.get_block_ids_with_load_errors = errors
+    assert pd.run([p, d], lambda: bool(invalid) or bool(failed), timeout_s=20)
+    assert reads == [], "KVCACHED_PD_WIRE=ipc took NIXL"
+
+
+def test_push_mode_takes_the_ipc_wire_too(staged_env, ipc, reads, monkeypatch):
+    monkeypatch.setenv("KVCACHED_PD_STAGING_MB", "8")
+    p = pd.make_engine("p", "kv_producer", seed=15, inner="NixlPushConnector")
+    d = pd.make_engine("d", "kv_consumer", seed=16, inner="NixlPushConnector")
+    prompt = list(range(7, 70))
+    params, p_blocks, d_blocks = handoff(p, d, "r1", prompt)
+    assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+    assert wire_of(d).name == "ipc" and reads == []
+    assert saw_done(p, d, "r1")
+    assert settle(p, d)
+
+
+def test_a_decode_abort_before_the_unpack_still_frees_p(staged_env, ipc):
+    p = pd.make_engine("p", "kv_producer", seed=17)
+    d = pd.make_engine("d", "kv_consumer", seed=18)
+    prompt = list(range(8, 60))
+    p.sched.add_request(pd.prefill_request("r1", prompt))
+    assert pd.run([p], lambda: "r1" in p.outputs)
+    params = p.outputs["r1"].kv_transfer_params
+    d.sched.add_request(pd.decode_request("d-r1", prompt, params))
+    d.sched.finish_requests(["d-r1"], _aborted())
+    assert settle(p, d)
+    assert staging_used(p) == 0
+
+
+def _aborted():
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.FINISHED_ABORTED
