@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""The CUDA IPC wire's layer (kvcached_pd.transport.cuda_ipc) between two real processes.
+
+A "prefill" process allocates a staging buffer the way the connector does, packs a
+pattern into an extent, records a slot of its pack-event ring after it and exports
+both; a "decode" process maps the staging (open_staging), makes its stream wait on that
+event, copies the extent out and checks every byte; then it times copies out of the
+mapping against a local device copy (94 MiB and 1 GiB), and finally the prefill process
+is SIGKILLed while the decode process still holds the mapping: does the decode process
+survive, read the old bytes, and run a fresh allocation and kernel afterwards?
+
+usage: python experiments/ipc_selftest.py [--device 0] [--peer-device 0] [--out result.json]
+Prints one JSON object (and writes it with --out). Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MIB = 1 << 20
+
+
+def prefill(device: int, nbytes: int, conn) -> None:
+    import torch
+
+    from kvcached_pd.transport import cuda_ipc
+
+    torch.cuda.set_device(device)
+    staging = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    stream = torch.cuda.current_stream()
+    # a slow kernel ahead of the pack: the decode side must wait for it via the event
+    a = torch.randn(4096, 4096, device=f"cuda:{device}")
+    for _ in range(20):
+        a = a @ a
+        a = a / a.norm()
+    staging[: 94 * MIB].copy_(torch.arange(94 * MIB, device=f"cuda:{device}") % 251)
+    export, events = cuda_ipc.export_staging(staging)
+    events.record(3, stream)
+    conn.send(export.to_dict())
+    conn.recv()  # wait to be killed
+
+
+def decode(device: int, export_raw: dict, conn) -> None:
+    import torch
+
+    from kvcached_pd.transport import cuda_ipc
+
+    result: dict = {}
+    torch.cuda.set_device(device)
+    dev = torch.device("cuda", device)
+    try:
+        export = cuda_ipc.StagingExport.from_dict(export_raw)
+        mapped, how = cuda_ipc.open_staging(export, dev)
+        result["opened"] = how
+        stream = torch.cuda.current_stream()
+        mapped.wait_packed(3, stream)
+        got = mapped.extent(0, 94 * MIB).clone()
+        want = (torch.arange(94 * MIB, device=dev) % 251).to(torch.uint8)
+        result["bytes_equal_after_event_wait"] = bool(torch.equal(got, want))
+        for size_mib in (94, 1024):
+            src = mapped.extent(0, size_mib * MIB)
+            local = torch.empty(size_mib * MIB, dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(local)
+            for name, source in (("ipc", src), ("local", local)):
+                dst.copy_(source)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    dst.copy_(source)
+                torch.cuda.synchronize()
+                seconds = (time.perf_counter() - t0) / 10
+                result[f"copy_{size_mib}MiB_{name}_ms"] = round(1e3 * seconds, 4)
+                result[f"copy_{size_mib}MiB_{name}_GBps"] = round(size_mib * MIB / seconds / 1e9, 1)
+        conn.send(("ready", result))
+        conn.recv()  # the prefill process is dead now
+        try:
+            again = mapped.extent(0, 94 * MIB).clone()
+            torch.cuda.synchronize()
+            result["read_after_peer_killed"] = "same bytes" if torch.equal(again, want) else "other bytes"
+        except Exception as exc:  # noqa: BLE001
+            result["read_after_peer_killed"] = f"error: {exc}"
+        try:
+            fresh = torch.randn(1024, 1024, device=dev) @ torch.randn(1024, 1024, device=dev)
+            torch.cuda.synchronize()
+            result["healthy_after_peer_killed"] = bool(torch.isfinite(fresh).all())
+        except Exception as exc:  # noqa: BLE001
+            result["healthy_after_peer_killed"] = f"error: {exc}"
+    except Exception as exc:  # noqa: BLE001
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    conn.send(("final", result))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", type=int, default=0, help="the decode process's GPU")
+    ap.add_argument("--peer-device", type=int, default=0, help="the prefill process's GPU")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    p_conn, p_child = ctx.Pipe()
+    d_conn, d_child = ctx.Pipe()
+    p = ctx.Process(target=prefill, args=(a.peer_device, 1024 * MIB, p_child))
+    p.start()
+    export = p_conn.recv()
+    d = ctx.Process(target=decode, args=(a.device, export, d_child))
+    d.start()
+    result: dict = {"prefill_gpu": a.peer_device, "decode_gpu": a.device}
+    kind, part = d_conn.recv()
+    result.update(part)
+    if kind == "ready":
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        d_conn.send("killed")
+        kind, part = d_conn.recv()
+        result.update(part)
+    d.join(60)
+    result["decode_exitcode"] = d.exitcode
+    text = json.dumps(result, indent=1, sort_keys=True)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0 if result.get("bytes_equal_after_event_wait") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
