@@ -93,15 +93,17 @@ def _activate() -> ActivationState:
 
 
 def _log_summary(st: ActivationState) -> None:
-    from kvcached_pd.checks import serving_transport
+    from kvcached_pd import serving
 
-    transport, why = serving_transport(st.settings, st.vllm_version)
+    decision = serving.decide(st.settings, st.vllm_version)
     logger.info(
-        "kvcached-pd: active (vLLM %s, transport %s: %s); patches waiting for their imports: %s;"
-        " skipped: %s",
+        "kvcached-pd: active (vLLM %s, transport %s: %s; wire %s: %s); patches waiting for "
+        "their imports: %s; skipped: %s",
         st.vllm_version,
-        transport,
-        why,
+        decision.transport,
+        decision.reason,
+        decision.wire,
+        decision.wire_reason,
         ", ".join(st.registered) or "none",
         ", ".join(f"{n} ({w})" for n, w in st.skipped.items()) or "none",
     )
