@@ -20,6 +20,20 @@ HEAD_MAJOR_LAYOUTS = ("HND", "LBHNC")
 GUARD = "connector_guard"  # armed whenever the gate is open, even if named in KVCACHED_PD_DISABLE
 
 
+def setting_problems(settings: config.Settings, known_patches: frozenset[str] | None
+                     ) -> list[str]:
+    """The settings' own problems, and the names in ``KVCACHED_PD_DISABLE`` that no patch
+    of ``known_patches`` (the patch table's names, from whoever holds the table:
+    activation, the doctor) has; None: names are not checked."""
+    problems = list(settings.problems)
+    if known_patches is not None:
+        unknown = sorted(settings.disabled_patches - known_patches)
+        if unknown:
+            problems.append(f"{config.KVCACHED_PD_DISABLE} names unknown patch(es) {unknown}; "
+                            f"known patches: {sorted(known_patches)}")
+    return problems
+
+
 def vllm_version_problems() -> list[str]:
     version = installed_version("vllm")
     if version is None:
@@ -175,7 +189,8 @@ def device_free_bytes() -> int | None:
     return int(free)
 
 
-def startup_problems(settings: config.Settings, *, nixl: bool = True, failed: dict | None = None,
+def startup_problems(settings: config.Settings, *, known_patches: frozenset[str] | None,
+                     nixl: bool = True, failed: dict | None = None,
                      vllm_version: str | None = None, env=None,
                      connector: str | None = None) -> list[str]:
     """Everything that makes startup refuse a NIXL connector with these settings.
@@ -184,11 +199,12 @@ def startup_problems(settings: config.Settings, *, nixl: bool = True, failed: di
     list, so the doctor predicts startup. Nothing is refused while the gate is closed:
     nothing is patched then, the guard included. What serves ``connector`` is
     :func:`kvcached_pd.serving.decide`'s answer, the one the connector acts on.
+    ``known_patches``: the patch table's names (:func:`setting_problems`).
     """
     if not settings.active:
         return []
     decision = serving.decide(settings, vllm_version or installed_version("vllm"), connector)
-    problems: list[str] = list(settings.problems)
+    problems = setting_problems(settings, known_patches)
     if nixl and settings.kvcached_enabled:
         problems += vllm_version_problems()
         problems += kvcached_problems(decision, env)

@@ -24,7 +24,7 @@ PACKAGES = ("vllm", "kvcached", "nixl", "nixl-cu13", "nixl-cu12", "torch", "wrap
 
 def doctor(args: argparse.Namespace) -> int:
     from kvcached_pd import checks
-    from kvcached_pd.patches import PATCHES
+    from kvcached_pd.patches import PATCH_NAMES, PATCHES
     from kvcached_pd.registry import live_snapshots
 
     out = sys.stdout
@@ -72,8 +72,8 @@ def doctor(args: argparse.Namespace) -> int:
             why += "; " + result
         out.write(f"  {patch.name:22s} {verdict:8s} {why}\n    {patch.summary}\n")
 
-    problems = checks.startup_problems(settings, nixl=args.nixl, failed=failed,
-                                       vllm_version=vllm_version)
+    problems = checks.startup_problems(settings, known_patches=PATCH_NAMES, nixl=args.nixl,
+                                       failed=failed, vllm_version=vllm_version)
     if args.deep and settings.active:
         problems += checks.staging_memory_problems(
             settings, decision, _device_total_bytes(),
@@ -84,9 +84,10 @@ def doctor(args: argparse.Namespace) -> int:
             out.write(f"  BLOCKING: {p}\n")
     else:
         out.write("\nproblems: none\n")
-    if not settings.active and settings.problems:
+    ignored = [] if settings.active else checks.setting_problems(settings, PATCH_NAMES)
+    if ignored:
         out.write("ignored while kvcached-pd is off (they block once it is on):\n")
-        for p in settings.problems:
+        for p in ignored:
             out.write(f"  - {p}\n")
 
     snapshots = list(live_snapshots())

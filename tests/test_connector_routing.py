@@ -99,7 +99,7 @@ def test_routed_nixl_connector_stages_the_handoff(routing):
 
 def _settings(**env):
     base = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_PD="1")
-    return config.read_settings(frozenset({"connector_routing"}), {**base, **env})
+    return config.read_settings({**base, **env})
 
 
 ROUTING_OFF = dict(KVCACHED_PD_TRANSPORT="staged", KVCACHED_PD_DISABLE="connector_routing")

@@ -49,14 +49,16 @@ class ConnectorGuardPatch(Patch):
 
     def __init__(self) -> None:
         super().__init__()
-        # Handed over by activation: the patches that failed to apply in this process.
+        # Handed over by activation: the patches that failed to apply in this process,
+        # and the patch table's names (KVCACHED_PD_DISABLE's are checked against them).
         self.activation_failures: Callable[[], dict[str, str]] = dict
+        self.known_patches: frozenset[str] | None = None
         self._warned = False
 
     def problems(self, role=None, kv_cache_config=None, connector: str | None = None) -> list[str]:
         settings = self.settings
-        problems = checks.startup_problems(settings, nixl=True, failed=self.activation_failures(),
-                                           connector=connector)
+        problems = checks.startup_problems(settings, known_patches=self.known_patches, nixl=True,
+                                           failed=self.activation_failures(), connector=connector)
         problems += checks.kv_cache_config_problems(settings, kv_cache_config)
         if _is_worker(role):
             problems += checks.staging_memory_problems(
