@@ -66,6 +66,7 @@ class ConnectorGuardPatch(Patch):
         return problems
 
     def decision(self, connector: str | None) -> serving.Serving:
+        """What serves ``connector``: the decision the connector itself acts on."""
         return serving.decide(self.settings, installed_version("vllm"), connector)
 
     def warn_if_not_staged(self, connector: str | None) -> None:
