@@ -63,8 +63,8 @@ def _activate() -> ActivationState:
     import wrapt
 
     from kvcached_pd import log, testing
-    from kvcached_pd.checks import GUARD
-    from kvcached_pd.patches import PATCHES
+    from kvcached_pd.checks import GUARD, setting_problems
+    from kvcached_pd.patches import PATCH_NAMES, PATCHES
     from kvcached_pd.versions import installed_version
 
     # First, so that every line below (and those of hooks firing at once because vLLM
@@ -73,7 +73,7 @@ def _activate() -> ActivationState:
 
     settings = config.settings()
     st = ActivationState(active=True, vllm_version=installed_version("vllm"), settings=settings)
-    for problem in settings.problems:
+    for problem in setting_problems(settings, PATCH_NAMES):
         logger.error("kvcached-pd: %s", problem)
     for patch in PATCHES + testing.armed(settings):
         if patch.name in settings.disabled_patches and patch.name != GUARD:
@@ -85,6 +85,7 @@ def _activate() -> ActivationState:
             continue
         if patch.name == GUARD:
             patch.activation_failures = lambda: dict(st.failed)
+            patch.known_patches = PATCH_NAMES
         st.registered.append(patch.name)
         wrapt.register_post_import_hook(_hook_for(patch, st), patch.target_module)
     # Logged once vLLM's logging is in place (at once if it already is).
@@ -93,15 +94,17 @@ def _activate() -> ActivationState:
 
 
 def _log_summary(st: ActivationState) -> None:
-    from kvcached_pd.checks import serving_transport
+    from kvcached_pd import serving
 
-    transport, why = serving_transport(st.settings, st.vllm_version)
+    decision = serving.decide(st.settings, st.vllm_version)
     logger.info(
-        "kvcached-pd: active (vLLM %s, transport %s: %s); patches waiting for their imports: %s;"
-        " skipped: %s",
+        "kvcached-pd: active (vLLM %s, transport %s: %s; wire %s: %s); patches waiting for "
+        "their imports: %s; skipped: %s",
         st.vllm_version,
-        transport,
-        why,
+        decision.transport,
+        decision.reason,
+        decision.wire,
+        decision.wire_reason,
         ", ".join(st.registered) or "none",
         ", ".join(f"{n} ({w})" for n, w in st.skipped.items()) or "none",
     )

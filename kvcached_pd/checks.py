@@ -11,12 +11,27 @@ import importlib.util
 import os
 import sys
 
-from kvcached_pd import config
+from kvcached_pd import config, serving
+from kvcached_pd.serving import ROUTING, STAGED, Serving
 from kvcached_pd.versions import SUPPORTED_VLLM, installed_version
 
 REQUIRED_FOR_NIXL = ("kvcached_coexistence", "nixl_layout", "nixl_registration")
 HEAD_MAJOR_LAYOUTS = ("HND", "LBHNC")
 GUARD = "connector_guard"  # armed whenever the gate is open, even if named in KVCACHED_PD_DISABLE
+
+
+def setting_problems(settings: config.Settings, known_patches: frozenset[str] | None
+                     ) -> list[str]:
+    """The settings' own problems, and the names in ``KVCACHED_PD_DISABLE`` that no patch
+    of ``known_patches`` (the patch table's names, from whoever holds the table:
+    activation, the doctor) has; None: names are not checked."""
+    problems = list(settings.problems)
+    if known_patches is not None:
+        unknown = sorted(settings.disabled_patches - known_patches)
+        if unknown:
+            problems.append(f"{config.KVCACHED_PD_DISABLE} names unknown patch(es) {unknown}; "
+                            f"known patches: {sorted(known_patches)}")
+    return problems
 
 
 def vllm_version_problems() -> list[str]:
@@ -36,7 +51,7 @@ def vllm_version_problems() -> list[str]:
     return []
 
 
-def kvcached_problems(env=None, connector: str | None = None) -> list[str]:
+def kvcached_problems(decision: Serving, env=None) -> list[str]:
     env = os.environ if env is None else env
     problems = []
     if importlib.util.find_spec("kvcached") is None:
@@ -46,13 +61,13 @@ def kvcached_problems(env=None, connector: str | None = None) -> list[str]:
             "ENABLE_KVCACHED."
         )
     if config.kvcached_contiguous_layout(env):
-        problem = contiguous_layout_problem(env, connector)
+        problem = contiguous_layout_problem(decision)
         if problem:
             problems.append(problem)
     return problems
 
 
-def contiguous_layout_problem(env=None, connector: str | None = None) -> str | None:
+def contiguous_layout_problem(decision: Serving) -> str | None:
     """Why kvcached's contiguous layout cannot serve this instance, or None if it can.
 
     Its compound pages put every layer's block ``b`` side by side, so one layer's
@@ -61,22 +76,20 @@ def contiguous_layout_problem(env=None, connector: str | None = None) -> str | N
     reads and writes kvcached memory only locally, through strided views, so it serves
     that layout (and its page mapping is ~4x faster: 81-90 ms against 361-365 ms TTFT
     for 8 x 3000-token prompts, measured); the direct path never does. The staged
-    transport must be chosen and must serve this vLLM and ``connector``.
+    transport must be chosen and must serve this vLLM and ``kv_connector``
+    (``decision``).
     """
     variable = config.KVCACHED_CONTIGUOUS_LAYOUT
     layout = (f"{variable} is true (kvcached's default): its pages interleave every "
               "layer's blocks, which vLLM's per-block NIXL descriptors cannot address")
-    settings = config.read_settings(frozenset(), env)
-    if settings.transport != "staged":
-        return (f"{layout}, and {config.KVCACHED_PD_TRANSPORT}={settings.transport} moves KV by "
+    if decision.requested != STAGED:
+        return (f"{layout}, and {config.KVCACHED_PD_TRANSPORT}={decision.requested} moves KV by "
                 f"those descriptors. Set {variable}=false or use the staged transport "
                 f"({config.KVCACHED_PD_TRANSPORT}=staged).")
-    transport, why = serving_transport(settings, installed_version("vllm"), connector,
-                                       active=True)
-    if transport == "staged":
+    if decision.staged:
         return None
-    remedy = routing_remedy(settings) or f"Set {variable}=false."
-    return f"{layout}, and the direct path would move it: {why}. {remedy}"
+    remedy = routing_remedy(decision) or f"Set {variable}=false."
+    return f"{layout}, and the direct path would move it: {decision.reason}. {remedy}"
 
 
 def layout_problems(env=None) -> list[str]:
@@ -104,78 +117,33 @@ def patch_set_problems(disabled: frozenset[str]) -> list[str]:
     ]
 
 
-def serving_transport(settings: config.Settings, vllm_version: str | None,
-                      connector: str | None = None, active: bool | None = None
-                      ) -> tuple[str, str]:
-    """The data path that will actually move KV for this vLLM and ``kv_connector``
-    name (None: the operator has not said, as in the doctor: vLLM's NIXL names), and why.
-
-    Pull and push mode are kvcached-pd's connector's on every release of
-    ``vllm_api.RELEASES`` that has them: the routing patch builds it for vLLM's NIXL
-    names (pull on 0.20-0.30, ``NixlPushConnector`` on 0.24-0.30), and it can be named
-    itself. With ``connector_routing`` disabled those names build vLLM's own connectors,
-    which move KV by per-block descriptors: the direct path. Elsewhere a requested
-    ``staged`` means vLLM's own per-block path too.
-    """
-    from kvcached_pd import vllm_api
-    from kvcached_pd.patches.connector_routing import ConnectorRoutingPatch
-
-    if not (settings.active if active is None else active):
-        return "vLLM's own", "kvcached-pd is off: nothing is patched"
-    if settings.transport != "staged":
-        return "direct", f"{config.KVCACHED_PD_TRANSPORT}={settings.transport}"
-    try:
-        api = vllm_api.api_for(vllm_version) if vllm_version else None
-    except ValueError:
-        api = None
-    if api is None:
-        return "direct", (f"kvcached-pd's connector knows vLLM {vllm_api.SUPPORTED} only; "
-                          f"vLLM here: {vllm_version or 'not installed'}")
-    if connector is not None and connector not in api.nixl_names + (vllm_api.CONNECTOR_CLASS,):
-        return "vLLM's own", f"kv_connector {connector} is not a NIXL connector kvcached-pd serves"
-    if (connector != vllm_api.CONNECTOR_CLASS
-            and ConnectorRoutingPatch.name in settings.disabled_patches):
-        return "direct", (f"{ConnectorRoutingPatch.name} is disabled by "
-                          f"{config.KVCACHED_PD_DISABLE}, so vLLM's NIXL connector names "
-                          "build vLLM's own connectors, which move KV by per-block descriptors")
-    push = (f"{api.push_name} (push) too" if api.push_name else "this vLLM has no push mode")
-    return "staged", (f"vLLM {vllm_version}: {', '.join(api.pull_names)} (pull) build "
-                      f"kvcached-pd's {vllm_api.CONNECTOR_CLASS}; {push}; TP>1 and peers "
-                      "without kvcached-pd take vLLM's own connector inside it, and it says so")
-
-
-def routing_remedy(settings: config.Settings) -> str | None:
+def routing_remedy(decision: Serving) -> str | None:
     """With ``connector_routing`` disabled, the two ways to a configuration that serves
     (the staged transport needs kvcached-pd's connector; the direct one cannot move
-    kvcached's contiguous layout); None while the routing is on."""
-    from kvcached_pd.patches.connector_routing import ConnectorRoutingPatch
-
-    if ConnectorRoutingPatch.name not in settings.disabled_patches:
+    kvcached's contiguous layout); None unless the staged transport was chosen and the
+    routing is what keeps it from vLLM's NIXL names."""
+    if not decision.staged_requested or decision.routed:
         return None
-    return (f"Remove {ConnectorRoutingPatch.name} from {config.KVCACHED_PD_DISABLE} "
+    return (f"Remove {ROUTING} from {config.KVCACHED_PD_DISABLE} "
             "(kvcached-pd's connector then serves), or use the direct transport "
             f"({config.KVCACHED_PD_TRANSPORT}=direct) with "
             f"{config.KVCACHED_CONTIGUOUS_LAYOUT}=false.")
 
 
-def transport_problems(settings: config.Settings, vllm_version: str | None,
-                       connector: str | None = None) -> list[str]:
+def transport_problems(decision: Serving) -> list[str]:
     """``KVCACHED_PD_TRANSPORT=staged`` asked for by name must be what serves: an operator
     who asked for it would otherwise get vLLM's per-block path (0.5 GB/s with kvcached
     peers on the 2xH200 host) without a word."""
-    if not (settings.active and settings.transport_explicit and settings.transport == "staged"):
+    if not (decision.falls_short and decision.requested_by_name):
         return []
-    transport, why = serving_transport(settings, vllm_version, connector)
-    if transport == "staged":
-        return []
-    remedy = routing_remedy(settings) or (
+    remedy = routing_remedy(decision) or (
         f"Unset {config.KVCACHED_PD_TRANSPORT} (the direct path then serves) or install a "
         "vLLM the staged transport supports.")
-    return [f"{config.KVCACHED_PD_TRANSPORT}=staged was asked for but cannot serve: {why}. "
-            + remedy]
+    return [f"{config.KVCACHED_PD_TRANSPORT}=staged was asked for but cannot serve: "
+            f"{decision.reason}. " + remedy]
 
 
-def staging_memory_problems(settings: config.Settings, free_bytes: int | None,
+def staging_memory_problems(settings: config.Settings, decision: Serving, free_bytes: int | None,
                             what: str = "free on this worker's device") -> list[str]:
     """A staging region larger than the device memory left cannot be allocated.
 
@@ -185,9 +153,8 @@ def staging_memory_problems(settings: config.Settings, free_bytes: int | None,
     refusal before the KV cache is allocated instead of an error inside
     ``register_kv_caches``.
     """
-    if (not settings.active or settings.transport != "staged" or free_bytes is None
-            or settings.staging_bytes is None):
-        return []  # the engine-derived default never exceeds the KV budget
+    if not decision.staged or free_bytes is None or settings.staging_bytes is None:
+        return []  # no staging here; the engine-derived default never exceeds the KV budget
     if settings.staging_bytes <= free_bytes:
         return []
     return [f"{config.KVCACHED_PD_STAGING_MB}={settings.staging_mb} MiB of staging does not fit: "
@@ -222,26 +189,29 @@ def device_free_bytes() -> int | None:
     return int(free)
 
 
-def startup_problems(settings: config.Settings, *, nixl: bool = True, failed: dict | None = None,
+def startup_problems(settings: config.Settings, *, known_patches: frozenset[str] | None,
+                     nixl: bool = True, failed: dict | None = None,
                      vllm_version: str | None = None, env=None,
                      connector: str | None = None) -> list[str]:
     """Everything that makes startup refuse a NIXL connector with these settings.
 
     The connector guard raises on these and ``kvcached-pd doctor`` exits 1 on the same
     list, so the doctor predicts startup. Nothing is refused while the gate is closed:
-    nothing is patched then, the guard included.
+    nothing is patched then, the guard included. What serves ``connector`` is
+    :func:`kvcached_pd.serving.decide`'s answer, the one the connector acts on.
+    ``known_patches``: the patch table's names (:func:`setting_problems`).
     """
     if not settings.active:
         return []
-    problems: list[str] = list(settings.problems)
+    decision = serving.decide(settings, vllm_version or installed_version("vllm"), connector)
+    problems = setting_problems(settings, known_patches)
     if nixl and settings.kvcached_enabled:
         problems += vllm_version_problems()
-        problems += kvcached_problems(env, connector)
+        problems += kvcached_problems(decision, env)
         problems += layout_problems(env)
     problems += patch_set_problems(settings.disabled_patches)
     if nixl:
-        problems += transport_problems(settings, vllm_version or installed_version("vllm"),
-                                       connector)
+        problems += transport_problems(decision)
     problems += [f"patch {n} failed to apply: {e}" for n, e in (failed or {}).items()]
     if problems and GUARD in settings.disabled_patches:
         problems.append(

@@ -3,7 +3,8 @@
 ``kvcached-pd doctor`` prints the versions that matter, the environment gates, which
 patches apply to the installed vLLM and why (not), the configuration problems that
 would stop a kvcached + NIXL startup, and the KV registrations of running vLLM
-processes. It reads the same settings and runs the same checks as the connector guard
+processes. It reads the same settings, the same decision of what serves
+(``serving.decide``) and runs the same checks as the connector guard
 (``checks.startup_problems``), so it exits 1 exactly when a NIXL startup in this
 environment would be refused, and 0 otherwise, including when kvcached-pd is off
 (it then says that nothing will be patched).
@@ -15,7 +16,7 @@ import argparse
 import os
 import sys
 
-from kvcached_pd import config
+from kvcached_pd import config, serving
 from kvcached_pd.versions import installed_version
 
 PACKAGES = ("vllm", "kvcached", "nixl", "nixl-cu13", "nixl-cu12", "torch", "wrapt")
@@ -23,12 +24,13 @@ PACKAGES = ("vllm", "kvcached", "nixl", "nixl-cu13", "nixl-cu12", "torch", "wrap
 
 def doctor(args: argparse.Namespace) -> int:
     from kvcached_pd import checks
-    from kvcached_pd.patches import PATCHES
+    from kvcached_pd.patches import PATCH_NAMES, PATCHES
     from kvcached_pd.registry import live_snapshots
 
     out = sys.stdout
     settings = config.settings()
     vllm_version = installed_version("vllm")
+    decision = serving.decide(settings, vllm_version)
     out.write("kvcached-pd doctor\n\nversions:\n")
     for name in PACKAGES:
         out.write(f"  {name:10s} {installed_version(name) or '-'}\n")
@@ -47,9 +49,9 @@ def doctor(args: argparse.Namespace) -> int:
                   "patched, nothing is refused. Not a problem unless you meant to use it: run "
                   "the doctor in the environment you serve with.\n")
     else:
-        transport, why = checks.serving_transport(settings, vllm_version)
         out.write(f"\nkvcached-pd: ON ({settings.gate_reason}).\n"
-                  f"  transport that will serve: {transport} ({why})\n")
+                  f"  transport that will serve: {decision.transport} ({decision.reason})\n"
+                  f"  wire: {decision.wire} ({decision.wire_reason})\n")
 
     failed: dict[str, str] = {}
     out.write("\npatches:\n")
@@ -70,20 +72,22 @@ def doctor(args: argparse.Namespace) -> int:
             why += "; " + result
         out.write(f"  {patch.name:22s} {verdict:8s} {why}\n    {patch.summary}\n")
 
-    problems = checks.startup_problems(settings, nixl=args.nixl, failed=failed,
-                                       vllm_version=vllm_version)
+    problems = checks.startup_problems(settings, known_patches=PATCH_NAMES, nixl=args.nixl,
+                                       failed=failed, vllm_version=vllm_version)
     if args.deep and settings.active:
         problems += checks.staging_memory_problems(
-            settings, _device_total_bytes(), "in all on this machine's first CUDA device")
+            settings, decision, _device_total_bytes(),
+            "in all on this machine's first CUDA device")
     if problems:
         out.write("\nproblems (startup refuses a NIXL connector):\n")
         for p in problems:
             out.write(f"  BLOCKING: {p}\n")
     else:
         out.write("\nproblems: none\n")
-    if not settings.active and settings.problems:
+    ignored = [] if settings.active else checks.setting_problems(settings, PATCH_NAMES)
+    if ignored:
         out.write("ignored while kvcached-pd is off (they block once it is on):\n")
-        for p in settings.problems:
+        for p in ignored:
             out.write(f"  - {p}\n")
 
     snapshots = list(live_snapshots())

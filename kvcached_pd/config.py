@@ -178,7 +178,7 @@ def _parse_kvcached_pd(raw: str | None, env: Mapping[str, str]) -> Parsed:
 
 def _parse_disable(raw: str | None, env: Mapping[str, str]) -> Parsed:
     names = frozenset(n.strip() for n in (raw or "").split(",") if n.strip())
-    return names, None  # unknown names are checked against the patch table by read_settings
+    return names, None  # checked against the patch table by checks.setting_problems
 
 
 def _parse_transport(raw: str | None, env: Mapping[str, str]) -> Parsed:
@@ -348,7 +348,9 @@ class Settings:
     """The parsed settings of one process, with the problems found while parsing them.
 
     ``problems`` block a NIXL startup while kvcached-pd is active; with the gate closed
-    nothing reads them (the doctor lists them as ignored).
+    nothing reads them (the doctor lists them as ignored). ``checks.setting_problems``
+    reports them together with names in ``disabled_patches`` that no patch has (it is
+    handed the patch table; this module knows none of it).
     """
 
     disabled_patches: frozenset[str] = frozenset()
@@ -379,13 +381,13 @@ class Settings:
         return None if self.staging_mb is None else self.staging_mb << 20
 
 
-def read_settings(
-    known_patches: frozenset[str], env: Mapping[str, str] | None = None
-) -> Settings:
+def read_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Parse every declared variable of ``env``; bad values become problems, not guesses.
 
     Pure: tests call it with a dict. A process reads its own environment once, through
-    :func:`settings`.
+    :func:`settings`. ``KVCACHED_PD_DISABLE``'s names are checked against the patch
+    table where that table is known (:func:`kvcached_pd.checks.setting_problems`):
+    this module is the lowest layer and imports nothing of kvcached-pd.
     """
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
@@ -395,12 +397,6 @@ def read_settings(
         values[var.field] = value
         if problem:
             problems.append(problem)
-    unknown = sorted(values["disabled_patches"] - known_patches)
-    if unknown:
-        problems.append(
-            f"{KVCACHED_PD_DISABLE} names unknown patch(es) {unknown}; "
-            f"known patches: {sorted(known_patches)}"
-        )
     return Settings(
         **values,
         problems=tuple(problems),
@@ -423,9 +419,7 @@ def settings() -> Settings:
     global _settings
     with _lock:
         if _settings is None:
-            from kvcached_pd.patches import PATCH_NAMES  # light: no vLLM, torch or wrapt
-
-            _settings = read_settings(PATCH_NAMES)
+            _settings = read_settings()
         return _settings
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcached_pd import config
+from kvcached_pd import checks, config
 from kvcached_pd.kv_spans import clip_to, merge_spans, physical_spans
 from kvcached_pd.versions import SUPPORTED_VLLM, VersionRange, parse_release
 
@@ -46,13 +46,14 @@ def test_gate(env, open_):
 
 
 def test_settings_report_every_bad_value():
-    s = config.read_settings(KNOWN, {
+    s = config.read_settings({
         "KVCACHED_PD_DISABLE": "nixl_layout, bogus", "KVCACHED_PD_TRANSPORT": "udp",
         "KVCACHED_PD_STAGING_MB": "-5", "KVCACHED_PD_STRICT": "maybe",
         "KVCACHED_PD_READ_SPIN_US": "1e3", "KVCACHED_PD_TRACE": "sometimes",
     })
-    text = "\n".join(s.problems)
+    text = "\n".join(checks.setting_problems(s, KNOWN))
     assert "unknown patch(es) ['bogus']" in text and "'udp'" in text
+    assert "bogus" not in "\n".join(s.problems)  # config knows no patch table
     assert "KVCACHED_PD_STAGING_MB='-5'" in text and "KVCACHED_PD_STRICT='maybe'" in text
     assert "KVCACHED_PD_READ_SPIN_US='1e3'" in text and "KVCACHED_PD_TRACE='sometimes'" in text
     assert s.read_spin_us == config.DEFAULT_READ_SPIN_US and not s.trace
@@ -61,7 +62,7 @@ def test_settings_report_every_bad_value():
 
 
 def test_settings_defaults_are_clean():
-    s = config.read_settings(KNOWN, {})
+    s = config.read_settings({})
     assert s.problems == () and not s.strict and not s.test_corrupt
     assert s.transport == "direct"  # plain vLLM keeps vLLM's own data path
     assert s.read_spin_us == config.DEFAULT_READ_SPIN_US and not s.trace
@@ -69,18 +70,18 @@ def test_settings_defaults_are_clean():
 
 @pytest.mark.parametrize("raw, expected", [("0", 0), (" 250 ", 250), ("20000", 20000)])
 def test_read_spin_budget_accepts_zero_to_max(raw, expected):
-    s = config.read_settings(KNOWN, {"KVCACHED_PD_READ_SPIN_US": raw})
+    s = config.read_settings({"KVCACHED_PD_READ_SPIN_US": raw})
     assert (s.read_spin_us, s.problems) == (expected, ())
 
 
 def test_read_spin_budget_above_max_is_a_problem():
-    s = config.read_settings(KNOWN, {"KVCACHED_PD_READ_SPIN_US": "20001"})
+    s = config.read_settings({"KVCACHED_PD_READ_SPIN_US": "20001"})
     assert len(s.problems) == 1 and "KVCACHED_PD_READ_SPIN_US" in s.problems[0]
 
 
 def test_staged_transport_is_the_default_with_kvcached():
-    assert config.read_settings(KNOWN, {"ENABLE_KVCACHED": "true"}).transport == "staged"
-    off = config.read_settings(KNOWN, {"ENABLE_KVCACHED": "true", "KVCACHED_PD_TRANSPORT": "direct"})
+    assert config.read_settings({"ENABLE_KVCACHED": "true"}).transport == "staged"
+    off = config.read_settings({"ENABLE_KVCACHED": "true", "KVCACHED_PD_TRANSPORT": "direct"})
     assert off.transport == "direct" and off.problems == ()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached_pd import checks, config, vllm_api
+from kvcached_pd import checks, config, serving, vllm_api
 from kvcached_pd.connector.wire import PARAMS_KEY
 from kvcached_pd.versions import installed_version
 from tests.conftest import vllm_release
@@ -99,31 +99,31 @@ def test_routed_nixl_connector_stages_the_handoff(routing):
 
 def _settings(**env):
     base = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_PD="1")
-    return config.read_settings(frozenset({"connector_routing"}), {**base, **env})
+    return config.read_settings({**base, **env})
 
 
 ROUTING_OFF = dict(KVCACHED_PD_TRANSPORT="staged", KVCACHED_PD_DISABLE="connector_routing")
 
 
-def test_serving_transport_names_the_path_per_connector():
+def test_the_decision_names_the_path_per_connector():
     """With the routing, vLLM's NIXL names are staged; without it they are vLLM's own
     connectors (the direct path), on every release; kvcached-pd's connector named
     directly stages either way."""
     version = installed_version("vllm")
     api = vllm_api.current()
     s = _settings(KVCACHED_PD_TRANSPORT="staged")
-    assert checks.serving_transport(s, version, "NixlConnector")[0] == "staged"
-    assert checks.serving_transport(s, version, None)[0] == "staged"
-    assert checks.serving_transport(s, "0.19.0", "NixlConnector")[0] == "direct"
+    assert serving.decide(s, version, "NixlConnector").transport == "staged"
+    assert serving.decide(s, version, None).transport == "staged"
+    assert serving.decide(s, "0.19.0", "NixlConnector").transport == "direct"
     if api.push_name:  # the connector serves push wherever vLLM has it
-        transport, why = checks.serving_transport(s, version, api.push_name)
-        assert transport == "staged", why
+        decision = serving.decide(s, version, api.push_name)
+        assert decision.transport == "staged", decision.reason
     off = _settings(**ROUTING_OFF)
     assert off.disabled_patches == frozenset({"connector_routing"})
     for name in api.nixl_names + (None,):
-        transport, why = checks.serving_transport(off, version, name)
-        assert transport == "direct" and "connector_routing is disabled" in why
-    assert checks.serving_transport(off, version, vllm_api.CONNECTOR_CLASS)[0] == "staged"
+        decision = serving.decide(off, version, name)
+        assert decision.transport == "direct" and "connector_routing is disabled" in decision.reason
+    assert serving.decide(off, version, vllm_api.CONNECTOR_CLASS).transport == "staged"
 
 
 def test_explicit_staged_without_the_routing_is_refused_with_both_ways_out():
@@ -136,20 +136,21 @@ def test_explicit_staged_without_the_routing_is_refused_with_both_ways_out():
     ways_out = ("Remove connector_routing from KVCACHED_PD_DISABLE (kvcached-pd's connector "
                 "then serves), or use the direct transport (KVCACHED_PD_TRANSPORT=direct) "
                 "with KVCACHED_CONTIGUOUS_LAYOUT=false.")
-    assert checks.transport_problems(_settings(KVCACHED_PD_TRANSPORT="staged"), version,
-                                     "NixlConnector") == []
+    staged = _settings(KVCACHED_PD_TRANSPORT="staged")
+    assert checks.transport_problems(serving.decide(staged, version, "NixlConnector")) == []
     off = _settings(**ROUTING_OFF)
     assert off.transport_explicit
     for name in api.nixl_names:
-        problems = checks.transport_problems(off, version, name)
+        problems = checks.transport_problems(serving.decide(off, version, name))
         assert problems == [
             "KVCACHED_PD_TRANSPORT=staged was asked for but cannot serve: connector_routing "
             "is disabled by KVCACHED_PD_DISABLE, so vLLM's NIXL connector names build vLLM's "
             "own connectors, which move KV by per-block descriptors. " + ways_out]
-    assert checks.transport_problems(off, version, vllm_api.CONNECTOR_CLASS) == []
-    env = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_PD="1")
-    assert checks.contiguous_layout_problem(env, "NixlConnector") is None
+    assert checks.transport_problems(serving.decide(off, version, vllm_api.CONNECTOR_CLASS)) == []
+    default = _settings()
+    assert checks.contiguous_layout_problem(serving.decide(default, version, "NixlConnector")) \
+        is None
+    routing_off = _settings(KVCACHED_PD_DISABLE="connector_routing")
     for name in api.nixl_names:
-        problem = checks.contiguous_layout_problem(
-            dict(env, KVCACHED_PD_DISABLE="connector_routing"), name)
+        problem = checks.contiguous_layout_problem(serving.decide(routing_off, version, name))
         assert problem is not None and problem.endswith(ways_out)

@@ -36,7 +36,8 @@ def test_plugin_entry_point_logs_through_vllms_handler():
     proc = subproc.run(code, env=vllm_default_logging(PYTHONPATH=kvcached_cpu.kvcached_src(), **ON))
     assert proc.returncode == 0, proc.stderr
     lines = info_lines(proc.stdout)  # vLLM's handler writes to stdout in vLLM's format
-    assert any("kvcached-pd: active (vLLM" in line and "transport" in line for line in lines), proc.stdout
+    assert any("kvcached-pd: active (vLLM" in line and "transport" in line
+               and "wire auto: per peer at its handshake" in line for line in lines), proc.stdout
     assert any("kvcached-pd: applied nixl_layout" in line for line in lines), proc.stdout
 
 

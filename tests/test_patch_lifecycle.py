@@ -205,6 +205,6 @@ def test_test_only_patch_is_not_in_the_product_table():
     assert "corrupt_received_kv" not in PATCH_NAMES
     from kvcached_pd import config, testing
 
-    assert testing.armed(config.read_settings(PATCH_NAMES, {})) == ()
-    armed = testing.armed(config.read_settings(PATCH_NAMES, {"KVCACHED_PD_TEST_CORRUPT": "1"}))
+    assert testing.armed(config.read_settings({})) == ()
+    armed = testing.armed(config.read_settings({"KVCACHED_PD_TEST_CORRUPT": "1"}))
     assert [p.name for p in armed] == ["corrupt_received_kv"]

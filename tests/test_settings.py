@@ -16,14 +16,13 @@ import pytest
 from kvcached_pd import config
 from tests.support import kvcached_cpu, subproc
 
-KNOWN = frozenset({"nixl_layout", "nixl_registration", "connector_guard"})
 REPO = pathlib.Path(subproc.REPO)
 
 
 @pytest.mark.parametrize("raw", ["maybe", "2", "enable", "tru"])
 def test_unknown_kvcached_pd_is_a_problem_naming_the_accepted_values(raw):
     env = {"ENABLE_KVCACHED": "true", "KVCACHED_PD": raw}
-    s = config.read_settings(KNOWN, env)
+    s = config.read_settings(env)
     assert s.active and s.forced is None  # armed, so that the guard can refuse it
     (problem,) = s.problems
     assert f"KVCACHED_PD={raw!r} is not a recognised value" in problem
@@ -38,7 +37,7 @@ def test_accepted_kvcached_pd_values(raw, forced, active):
     env = {"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1"}
     if raw is not None:
         env["KVCACHED_PD"] = raw
-    s = config.read_settings(KNOWN, env)
+    s = config.read_settings(env)
     assert (s.forced, s.active, s.problems) == (forced, active, ())
 
 
@@ -68,8 +67,8 @@ def test_settings_are_parsed_once_per_process(monkeypatch):
 
 
 def test_explicit_and_default_transport_are_told_apart():
-    assert config.read_settings(KNOWN, {"ENABLE_KVCACHED": "1"}).transport_explicit is False
-    s = config.read_settings(KNOWN, {"KVCACHED_PD_TRANSPORT": "Staged"})
+    assert config.read_settings({"ENABLE_KVCACHED": "1"}).transport_explicit is False
+    s = config.read_settings({"KVCACHED_PD_TRANSPORT": "Staged"})
     assert (s.transport, s.transport_explicit) == ("staged", True)
 
 

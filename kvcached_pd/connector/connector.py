@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvcached_pd import config, nixl_kv_guard, vllm_api
+from kvcached_pd import config, nixl_kv_guard, serving, vllm_api
 from kvcached_pd.connector.decode import ClaimProbe, DecodeScheduler, DecodeWorker
 from kvcached_pd.connector.prefill import PrefillScheduler, PrefillWorker
 from kvcached_pd.connector.records import StepMetadata, WorkerReport
@@ -49,6 +49,7 @@ from kvcached_pd.transport import sizing
 from kvcached_pd.transport.format import PackedFormat, format_of_kv_cache_config
 from kvcached_pd.transport.pack import select_kernel
 from kvcached_pd.transport.staging import ExtentAllocator
+from kvcached_pd.versions import installed_version
 
 logger = logging.getLogger("kvcached_pd")
 
@@ -63,12 +64,12 @@ class StagedHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 
 def staged_reason(vllm_config: Any, kv_cache_config: Any,
-                  settings: config.Settings) -> tuple[PackedFormat | None, str]:
-    """The packed format when the staged path serves this engine, else the reason."""
-    if not settings.active:
-        return None, "kvcached-pd is not active (" + settings.gate_reason + ")"
-    if settings.transport != "staged":
-        return None, f"{config.KVCACHED_PD_TRANSPORT}={settings.transport}"
+                  decision: serving.Serving) -> tuple[PackedFormat | None, str]:
+    """The packed format when the staged path serves this engine, else the reason:
+    the process's decision (:func:`kvcached_pd.serving.decide`), then what only this
+    engine's configs say."""
+    if not decision.staged:
+        return None, decision.reason
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
     if tp != 1:
         return None, (f"tensor parallel size {tp}: the staged path is validated at TP=1 "
@@ -97,10 +98,13 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                                                                  kv_cache_config)
         self._kv_cache_config = kv_cache_config
         self._settings = config.settings()
+        # this is kvcached-pd's connector, whichever name built it
+        self._serving = serving.decide(self._settings, installed_version("vllm"),
+                                       vllm_api.CONNECTOR_CLASS)
         kv_transfer = vllm_config.kv_transfer_config
         self._engine_id = str(kv_transfer.engine_id)
         self._kv_role = kv_transfer.kv_role
-        self._fmt, reason = staged_reason(vllm_config, kv_cache_config, self._settings)
+        self._fmt, reason = staged_reason(vllm_config, kv_cache_config, self._serving)
         self._why_not_staged = None if self._fmt is not None else reason
         self._prefill: PrefillScheduler | None = None
         self._decode: DecodeScheduler | None = None

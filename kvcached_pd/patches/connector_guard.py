@@ -26,7 +26,7 @@ import importlib
 import logging
 from collections.abc import Callable
 
-from kvcached_pd import checks, vllm_nixl
+from kvcached_pd import checks, serving, vllm_nixl
 from kvcached_pd.errors import UnsupportedConfiguration
 from kvcached_pd.patches.base import Patch
 from kvcached_pd.versions import installed_version
@@ -49,30 +49,37 @@ class ConnectorGuardPatch(Patch):
 
     def __init__(self) -> None:
         super().__init__()
-        # Handed over by activation: the patches that failed to apply in this process.
+        # Handed over by activation: the patches that failed to apply in this process,
+        # and the patch table's names (KVCACHED_PD_DISABLE's are checked against them).
         self.activation_failures: Callable[[], dict[str, str]] = dict
+        self.known_patches: frozenset[str] | None = None
         self._warned = False
 
     def problems(self, role=None, kv_cache_config=None, connector: str | None = None) -> list[str]:
         settings = self.settings
-        problems = checks.startup_problems(settings, nixl=True, failed=self.activation_failures(),
-                                           connector=connector)
+        problems = checks.startup_problems(settings, known_patches=self.known_patches, nixl=True,
+                                           failed=self.activation_failures(), connector=connector)
         problems += checks.kv_cache_config_problems(settings, kv_cache_config)
         if _is_worker(role):
-            problems += checks.staging_memory_problems(settings, checks.device_free_bytes())
+            problems += checks.staging_memory_problems(
+                settings, self.decision(connector), checks.device_free_bytes())
         return problems
+
+    def decision(self, connector: str | None) -> serving.Serving:
+        """What serves ``connector``: the decision the connector itself acts on."""
+        return serving.decide(self.settings, installed_version("vllm"), connector)
 
     def warn_if_not_staged(self, connector: str | None) -> None:
         """The staged transport was chosen (by default) but will not move this
         connector's KV: say so once per process, at WARNING, with the reason."""
-        settings = self.settings
-        if not settings.active or settings.transport != "staged" or self._warned:
+        if self._warned:
             return
-        transport, why = checks.serving_transport(settings, installed_version("vllm"), connector)
-        if transport != "staged":
+        decision = self.decision(connector)
+        if decision.falls_short:
             self._warned = True
             logger.warning("kvcached-pd: the staged transport does not serve kv_connector %s "
-                           "here; KV moves by vLLM's per-block path (%s)", connector, why)
+                           "here; KV moves by vLLM's per-block path (%s)", connector,
+                           decision.reason)
 
     def _make_guard(self, original: classmethod) -> classmethod:
         original_func = original.__func__

@@ -17,10 +17,10 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from kvcached_pd import vllm_nixl
+from kvcached_pd import serving, vllm_api, vllm_nixl
 from kvcached_pd.connector.stats import STAT_KEYS
 from kvcached_pd.patches.base import Patch, wrap_hook
-from kvcached_pd.versions import VersionRange
+from kvcached_pd.versions import VersionRange, installed_version
 
 STATS_MODULE = f"{vllm_nixl.NIXL_PACKAGE}.stats"
 
@@ -110,8 +110,13 @@ class ConnectorMetricsPatch(Patch):
     fail_closed = False
 
     def applies(self, vllm_version: str | None = None) -> tuple[bool, str]:
-        if self.settings.transport != "staged":
-            return False, "only the staged transport records kvcached-pd's series"
+        """Where kvcached-pd's connector, routed or named, stages: only it records the
+        series."""
+        decision = serving.decide(self.settings, vllm_version or installed_version("vllm"),
+                                  vllm_api.CONNECTOR_CLASS)
+        if not decision.staged:
+            return False, ("only the staged transport records kvcached-pd's series "
+                           f"({decision.reason})")
         return super().applies(vllm_version)
 
     def _apply(self) -> None:

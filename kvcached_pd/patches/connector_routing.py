@@ -23,22 +23,11 @@ from __future__ import annotations
 
 import importlib
 
-from kvcached_pd import config, vllm_api
+from kvcached_pd import serving, vllm_api
 from kvcached_pd.patches.base import Patch
-from kvcached_pd.versions import VersionRange
+from kvcached_pd.versions import VersionRange, installed_version
 
 ROUTED_RANGE = VersionRange("0.20", "0.31")  # the releases of vllm_api.RELEASES
-
-
-def routing_applies(settings: config.Settings) -> tuple[bool, str]:
-    """Whether the factory should build kvcached-pd's connector for the NIXL names."""
-    if not settings.active:
-        return False, "kvcached-pd is not active"
-    if settings.transport != "staged":
-        return False, f"{config.KVCACHED_PD_TRANSPORT} is not 'staged'"
-    if ConnectorRoutingPatch.name in settings.disabled_patches:
-        return False, f"{ConnectorRoutingPatch.name} is disabled by {config.KVCACHED_PD_DISABLE}"
-    return True, "the staged transport is chosen"
 
 
 def _loader():
@@ -48,7 +37,7 @@ def _loader():
 
 
 class ConnectorRoutingPatch(Patch):
-    name = "connector_routing"
+    name = serving.ROUTING
     summary = ("KVCACHED_PD_TRANSPORT=staged: vLLM's factory builds KvcachedPDConnector for "
                "the NIXL names, pull and push (it composes vLLM's connector of that name "
                "for plain peers)")
@@ -57,9 +46,11 @@ class ConnectorRoutingPatch(Patch):
     fail_closed = True
 
     def applies(self, vllm_version: str | None = None) -> tuple[bool, str]:
-        ok, why = routing_applies(self.settings)
-        if not ok:
-            return False, why
+        """Whether the factory should build kvcached-pd's connector for the NIXL names:
+        the decision's ``routed``, then this vLLM's range."""
+        decision = serving.decide(self.settings, vllm_version or installed_version("vllm"))
+        if not decision.routed:
+            return False, decision.routing_reason
         return super().applies(vllm_version)
 
     def _apply(self) -> None:

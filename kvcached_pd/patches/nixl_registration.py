@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from kvcached_pd import config, nixl_kv_guard, vllm_nixl
+from kvcached_pd import config, nixl_kv_guard, serving, vllm_nixl
 from kvcached_pd.errors import LayoutMismatch, UnsupportedConfiguration
 from kvcached_pd.kv_spans import Span, clip_to, merge_spans, overlaps, physical_spans, within
 from kvcached_pd.patches.base import Patch
@@ -256,9 +256,9 @@ def staged_refusal(worker: Any) -> str | None:
     (this worker is then its inner NixlConnector or NixlPushConnector, which must never
     move kvcached KV itself): the connector says so around the registration
     (:func:`kvcached_pd.nixl_kv_guard.registering_for_the_connector`)."""
-    transport = config.read_settings(frozenset()).transport
-    if transport != "staged":
-        return f"{config.KVCACHED_PD_TRANSPORT}={transport}"
+    decision = serving.decide(config.settings(), installed_version("vllm"))
+    if not decision.staged_requested:
+        return decision.reason
     reason = nixl_kv_guard.why_not_staged()
     if reason is not None:
         return reason

@@ -42,7 +42,7 @@ def enabled() -> bool:
     if _enabled is None:
         from kvcached_pd import config
 
-        _enabled = config.read_settings(frozenset()).trace
+        _enabled = config.read_settings().trace
     return _enabled
 
 

@@ -141,8 +141,7 @@ def test_layers_with_different_strides_stay_on_torch(emulated_triton):
 
 
 def test_pack_kernel_setting():
-    known = frozenset()
-    assert config.read_settings(known, {}).pack_kernel == "auto"
-    assert config.read_settings(known, {"KVCACHED_PD_PACK_KERNEL": " Torch "}).pack_kernel == "torch"
-    bad = config.read_settings(known, {"KVCACHED_PD_PACK_KERNEL": "cuda"})
+    assert config.read_settings({}).pack_kernel == "auto"
+    assert config.read_settings({"KVCACHED_PD_PACK_KERNEL": " Torch "}).pack_kernel == "torch"
+    bad = config.read_settings({"KVCACHED_PD_PACK_KERNEL": "cuda"})
     assert bad.pack_kernel == "auto" and "KVCACHED_PD_PACK_KERNEL='cuda'" in bad.problems[0]
