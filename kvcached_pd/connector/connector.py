@@ -271,7 +271,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         tp_rank = vllm_api.tp_rank()
         self._region = StagingRegion.create(
             kv_caches, self._kv_cache_config, self._fmt, plan, tp_rank, 1,
-            offer_ipc=bool(plan.prefill_bytes) and self._settings.wire != "nixl")
+            offer_ipc=bool(plan.prefill_bytes) and self._serving.wire != "nixl")
         kernels = select_kernel(self._region.layers, self._fmt, self._settings.pack_kernel)
         if plan.prefill_bytes:
             self._prefill_worker = PrefillWorker(
@@ -284,7 +284,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         if plan.decode_bytes:
             self._decode_worker = DecodeWorker(self._region,
                                                spin_s=self._settings.read_spin_us / 1e6,
-                                               wire_policy=self._settings.wire)
+                                               wire_policy=self._serving.wire)
         region = self._region
         logger.info(
             "kvcached-pd: staged transport ready (%s mode, inner %s): %d MiB staging (%s; "
@@ -295,7 +295,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
             type(self._inner).__name__, region.buffer.tensor.numel() >> 20,
             region.agent.memory_type, plan.prefill_bytes >> 20, plan.decode_bytes >> 20,
             plan.rule, self._fmt.to_dict(), region.layers.num_layers, region.kernel_block_size,
-            kernels, self._settings.wire, _wire_summary(self._settings.wire, region))
+            kernels, self._serving.wire, _wire_summary(self._serving.wire, region))
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
