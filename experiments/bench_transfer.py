@@ -17,6 +17,11 @@ kv_transfer_params and max_tokens=1), three views of the handoff:
            timed and moved. Absent when a transport bypasses vLLM's transfer stats;
 - client:  the decode leg's HTTP latency minus the median latency of a no-transfer
            request to the same D (an 8-token prompt, max_tokens=1).
+Staged modes also get the effective handoff, device times from kvcached-pd's metrics: P's
+pack + the NIXL READ + D's unpack, or on the CUDA IPC wire (no READ: D's unpack reads P's
+packed extent in place) pack + unpack. The wire of each request is read from the metrics
+(a staged request D unpacked with no READ counted went over IPC) and the wire D's log
+names for its peer is reported beside it.
 GB/s = KV bytes of the prompt (prompt tokens x KV bytes per token) / time, except the
 nixl view, which divides NIXL's own byte count by NIXL's own time.
 
@@ -54,7 +59,8 @@ from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE,
                         PortAllocator, ServeSettings, default_vllm_cmd, describe_environment,
                         indent, instance_env, kvcached_pd_evidence, neutral_env,
                         registration_timings, rss_report,
-                        serve_args, stop_all, wait_until_ready, write_vllm_logging_config)
+                        serve_args, stop_all, wait_until_ready, wire_evidence,
+                        write_vllm_logging_config)
 import trace_timeline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,6 +76,23 @@ def kv_bytes_per_token(model_dir: str) -> int:
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
     return cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+def effective_handoff(staged: bool, read_s: float | None, pack_s: float | None,
+                      unpack_s: float | None) -> tuple[str | None, float | None]:
+    """(wire, effective seconds) of one handoff.
+
+    Vanilla: the NIXL READ alone. Staged: pack + READ + unpack on the NIXL wire; on the
+    CUDA IPC wire D's unpack copies straight from P's mapped extent and no READ is
+    counted, so a staged request that D unpacked without a READ went over IPC and its
+    handoff is pack + unpack. None where a part is missing."""
+    if not staged:
+        return ("nixl" if read_s is not None else None), read_s
+    if unpack_s is None:
+        return None, None
+    wire = "nixl" if read_s is not None else "ipc"
+    parts = [pack_s, unpack_s] + ([read_s] if read_s is not None else [])
+    return wire, None if None in parts else sum(parts)
 
 
 def model_max_positions(model_dir: str) -> int | None:
@@ -291,9 +314,8 @@ class Bench:
                 out[key] = None
         if not staged:
             out["unpack_s"] = out["staged_handoff_s"] = None
-        # pack + wire + unpack (vanilla: the wire alone)
-        parts = [out["nixl_xfer_s"]] + ([out["pack_s"], out["unpack_s"]] if staged else [])
-        out["effective_s"] = None if None in parts else sum(parts)
+        out["wire"], out["effective_s"] = effective_handoff(
+            staged, out["nixl_xfer_s"], out["pack_s"], out["unpack_s"])
         return out
 
     def sweep(self, run: PairRun, baseline_s: float | None) -> list[dict]:
@@ -344,6 +366,9 @@ class Bench:
 
         def med(key):
             return median(s.get(key) for s in good)
+
+        wires = sorted({s.get("wire") for s in good if s.get("wire")})
+        row["wire"] = "/".join(wires) or None
 
         decode_s, server_s, nixl_s = med("decode_s"), med("server_wait_s"), med("nixl_xfer_s")
         handoff_s = decode_s - baseline_s if decode_s is not None and baseline_s is not None \
@@ -446,6 +471,7 @@ class Bench:
                     r.status = "skipped"
                     r.reason = f"measurement crashed: {type(exc).__name__}: {exc}"
                     log(f"{r.mode.name}: {r.reason}")
+                r.result["wire_logged"] = wire_evidence(r.decode.log_path)["wires"]
                 for p in (r.prefill, r.decode):
                     if not p.alive():
                         time.sleep(0.3)  # let the log reader drain the last lines
@@ -476,7 +502,10 @@ class Bench:
                 "unpack_ms": "D's vllm:kvcached_pd_unpack_seconds: device time of the scatter",
                 "staged_handoff_ms": "D's vllm:kvcached_pd_handoff_seconds: READ posted -> "
                                      "READ seen done + scatter enqueued (engine steps included)",
-                "effective_ms": "pack + nixl_xfer + unpack (vanilla: nixl_xfer alone)",
+                "effective_ms": "pack + nixl_xfer + unpack (vanilla: nixl_xfer alone; CUDA IPC "
+                                "wire: pack + unpack, the unpack reading P's extent in place)",
+                "wire": "per request: ipc when a staged request was unpacked with no NIXL "
+                        "READ counted, else nixl; wire_logged: what D's log names",
                 "instances": "started concurrently, so startup/registration times include "
                              "CPU contention between instances"},
             "modes": {},
@@ -500,7 +529,8 @@ class Bench:
                 "baseline_ms", "handoff_client_ms", "server_wait_ms", "nixl_xfer_ms",
                 "nixl_post_ms", "nixl_bytes", "nixl_descriptors", "nixl_transfers", "ext_hits",
                 "gbps_server", "gbps_client", "gbps_nixl", "pack_ms", "unpack_ms",
-                "staged_handoff_ms", "effective_ms", "gbps_effective", "error", "skipped"]
+                "staged_handoff_ms", "effective_ms", "gbps_effective", "wire", "error",
+                "skipped"]
         with open(os.path.join(self.out, "bench.csv"), "w", newline="") as f:
             w = csv.DictWriter(f, cols, extrasaction="ignore")
             w.writeheader()
@@ -578,17 +608,23 @@ def render_summary(doc: dict) -> str:
                 f"{fmt(r['handoff_client_ms']):>10} {fmt(r['gbps_client']):>7} "
                 f"{fmt(r['nixl_descriptors'], 0):>7}"
                 + (f"  ERROR {r['error']}" if r.get("error") else ""))
-    hdr = (f"{'mode':<28} {'KV MiB':>8} {'pack ms':>8} {'nixl ms':>8} {'unpack ms':>9} "
-           f"{'effective ms':>12} {'GB/s':>7} {'staged handoff ms':>17}")
+    hdr = (f"{'mode':<28} {'KV MiB':>8} {'wire':>5} {'pack ms':>8} {'nixl ms':>8} "
+           f"{'unpack ms':>9} {'effective ms':>12} {'GB/s':>7} {'staged handoff ms':>17}")
     lines += ["", ("Handoff parts (medians; effective = pack + NIXL READ + unpack, device "
-                   "times for pack/unpack; vanilla: the READ alone):"), hdr, "-" * len(hdr)]
+                   "times for pack/unpack; vanilla: the READ alone; wire ipc: pack + unpack, "
+                   "D's unpack reading P's extent through CUDA IPC):"), hdr, "-" * len(hdr)]
     for name, m in doc["modes"].items():
         for r in m.get("sizes", []) if m["status"] == "measured" else ():
             if r.get("effective_ms") is not None:
-                lines.append(f"{name:<28} {r['kv_mib']:>8.1f} {fmt(r.get('pack_ms'), 3):>8} "
+                lines.append(f"{name:<28} {r['kv_mib']:>8.1f} {r.get('wire') or '-':>5} "
+                             f"{fmt(r.get('pack_ms'), 3):>8} "
                              f"{fmt(r['nixl_xfer_ms'], 3):>8} {fmt(r.get('unpack_ms'), 3):>9} "
                              f"{fmt(r['effective_ms'], 3):>12} {fmt(r['gbps_effective']):>7} "
                              f"{fmt(r.get('staged_handoff_ms'), 3):>17}")
+    logged = {n: m.get("wire_logged") for n, m in doc["modes"].items() if m.get("wire_logged")}
+    if logged:
+        lines.append("wire D's log names for its peer: "
+                     + "; ".join(f"{n} {'/'.join(w)}" for n, w in logged.items()))
     lines += ["", "TTFT through pd_proxy (concurrent batch, max_tokens=1):",
               f"{'mode':<28} {'batch':>5} {'tokens':>6} {'ok':>4} {'median ms':>10} {'p90 ms':>9} "
               f"{'max ms':>9} {'P leg ms':>9} {'D leg ms':>9}"]

@@ -16,6 +16,9 @@ prompt token per request locally (vllm:prompt_tokens_by_source{source=local_comp
 Two prompts share a 700-token prefix: the second finds it in D's own prefix cache
 (source=local_cache_hit), which the proof subtracts, and D receives only the rest.
 The negative control (KVCACHED_PD_TEST_CORRUPT=1) passes only when its outputs DIFFER.
+With --expect-wire ipc|nixl a staged pair must also be served by that wire where the mode
+does not force one: D's log names it for its peer, and D's
+vllm:kvcached_pd_wire_fallbacks_total did not grow.
 
 Writes under OUTDIR: logs/ (one time-stamped log per instance and proxy), modes/<mode>.json,
 summary.json, summary.txt, environment.json. Exit status 0 only if every required mode passed.
@@ -36,12 +39,12 @@ from dataclasses import dataclass, field
 
 from pd_client import compare_outputs, run_suite
 from pd_common import M, Deadline, MetricSnapshot, log, metric_delta, scrape_metrics, write_json
-from pd_modes import MODES, Mode, kv_transfer_config, resolve_modes
+from pd_modes import WIRES, MODES, Mode, expected_wire, kv_transfer_config, resolve_modes
 from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,
                         PortAllocator, describe_environment, serve_settings_from_args,
                         instance_env,
                         indent, kvcached_pd_evidence, neutral_env, serve_args, stop_all,
-                        wait_until_ready,
+                        wait_until_ready, wire_evidence,
                         write_vllm_logging_config)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -295,6 +298,29 @@ def activation_evidence(run: ModeRun) -> dict:
     return {"instances": per_role, "problems": problems, "notes": notes}
 
 
+def wire_proof(run: ModeRun, default: str | None) -> dict:
+    """Which wire served D's staged peer, against the one expected (pd_modes.expected_wire
+    with ``default`` for modes that leave the choice to kvcached-pd)."""
+    expected = expected_wire(run.mode, default)
+    proc = run.instances.get("decode")
+    wires = wire_evidence(proc.log_path)["wires"] if proc else []
+    d_after = run.metrics_after.get("decode")  # D's fallbacks since it started
+    fallbacks = d_after.total(M.KVPD_WIRE_FALLBACKS) if d_after is not None else None
+    problems, notes = [], []
+    if expected is not None and run.suite is not None:
+        if not wires:
+            problems.append(f"D's log names no wire for its staged peer (expected {expected})")
+        elif wires != [expected]:
+            problems.append(f"D's log names wire {'/'.join(wires)} for its peer, expected "
+                            f"{expected}")
+        if fallbacks:
+            problems.append(f"{fallbacks:.0f} peers fell back from IPC to NIXL on D")
+        elif fallbacks is None and expected == "ipc":
+            notes.append(f"D exports no {M.KVPD_WIRE_FALLBACKS}")
+    return {"expected": expected, "wires": wires, "wire_fallbacks": fallbacks,
+            "problems": problems, "notes": notes}
+
+
 def describe_differences(cmp: dict) -> str:
     """Which prompts differ and where: sequential vs concurrent-batch prompts, and the
     first differing token (late, isolated flips in the batch point at batch-dependent
@@ -307,7 +333,8 @@ def describe_differences(cmp: dict) -> str:
     return "; ".join(parts)
 
 
-def evaluate(runs: dict[str, ModeRun], baseline_name: str) -> dict[str, dict]:
+def evaluate(runs: dict[str, ModeRun], baseline_name: str,
+             expect_wire: str | None = None) -> dict[str, dict]:
     base_run = runs.get(baseline_name)
     baseline = base_run.suite if base_run and base_run.suite and \
         base_run.suite["n_failed"] == 0 else None
@@ -339,6 +366,8 @@ def evaluate(runs: dict[str, ModeRun], baseline_name: str) -> dict[str, dict]:
                 res["kv_proof"] = proof = kv_proof(run)
                 if proof["checked"] and not proof["ok"]:
                     reasons.extend(proof["problems"])
+                res["wire"] = wire = wire_proof(run, expect_wire)
+                reasons.extend(wire["problems"])
             if name != baseline_name:
                 if baseline is None:
                     reasons.append(f"baseline {baseline_name!r} has no complete results")
@@ -379,7 +408,8 @@ def evaluate(runs: dict[str, ModeRun], baseline_name: str) -> dict[str, dict]:
 
 def render_table(results: dict[str, dict], baseline_name: str) -> str:
     hdr = f"{'mode':<20} {'verdict':<13} {'ok/req':>7} {'vs ' + baseline_name:>14} " \
-          f"{'vs vanilla':>10} {'ext hits/prompt':>17} {'NIXL MiB':>9} {'kvpd':>5}  sha256[:16]"
+          f"{'vs vanilla':>10} {'ext hits/prompt':>17} {'NIXL MiB':>9} {'kvpd':>5} " \
+          f"{'wire':>5}  sha256[:16]"
     lines = [hdr, "-" * len(hdr)]
     for name, r in results.items():
         cmp = r.get("vs_baseline")
@@ -396,10 +426,11 @@ def render_table(results: dict[str, dict], baseline_name: str) -> str:
         # kvcached-pd seen in each instance's log: y = applied, x = failed, - = no line
         kvpd = "/".join("x" if ev["failed"] else ("y" if ev["seen"] else "-")
                         for ev in r["kvcached_pd"]["instances"].values()) or "-"
+        wire = "/".join((r.get("wire") or {}).get("wires") or []) or "-"
         lines.append(f"{name:<20} {r['verdict']:<13} "
                      f"{str(r.get('n_ok', 0)) + '/' + str(r.get('n_requests', 0)):>7} "
                      f"{cmpt:>14} {vant:>10} {hits_txt:>17} "
-                     f"{(f'{mib / 2**20:.1f}' if mib else '-'):>9} {kvpd:>5}  "
+                     f"{(f'{mib / 2**20:.1f}' if mib else '-'):>9} {kvpd:>5} {wire:>5}  "
                      f"{(r.get('fingerprint_sha256') or '-')[:16]}")
     return "\n".join(lines)
 
@@ -449,6 +480,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "without them 1-3 of 8 concurrent outputs differed from the "
                          "reference in every PD mode, vanilla included, run to run; with "
                          "them every mode was byte-identical")
+    ap.add_argument("--expect-wire", choices=WIRES, default=None,
+                    help="the wire D must name for its staged peer where the mode leaves the "
+                         "choice to kvcached-pd (KVCACHED_PD_WIRE unset), e.g. ipc with P and "
+                         "D on one GPU (default: only reported)")
     ap.add_argument("--kv-both", action="store_true",
                     help="kv_role kv_both on P and D (default kv_producer / kv_consumer)")
     ap.add_argument("--vllm-cmd", default=os.environ.get("KVPD_VLLM_CMD"),
@@ -503,7 +538,7 @@ def main(argv=None) -> int:
     for m in modes:
         runs.setdefault(m.name, ModeRun(m, infra_error="not run (interrupted)"))
     env_thread.join(timeout=30)
-    results = evaluate(runs, args.baseline)
+    results = evaluate(runs, args.baseline, args.expect_wire)
     for name, res in results.items():
         run = runs[name]
         write_json(os.path.join(h.out, "modes", f"{name}.json"),
@@ -527,7 +562,7 @@ def main(argv=None) -> int:
         "numerics_note": numerics_note,
         "modes": {n: {k: r.get(k) for k in ("verdict", "reasons", "fingerprint_sha256", "n_ok",
                                              "n_requests", "vs_baseline", "vs_vanilla", "kv_proof",
-                                             "vs_clean_twin", "kvcached_pd", "note",
+                                             "vs_clean_twin", "kvcached_pd", "wire", "note",
                                              "description")}
                   for n, r in results.items()},
     }
@@ -538,7 +573,7 @@ def main(argv=None) -> int:
     lines += [f"  {n:<20} {r.get('fingerprint_sha256') or '-'}" for n, r in results.items()]
     details = [(n, line) for n, r in results.items()
                for line in (r["reasons"] + ([r["note"]] if r.get("note") else [])
-                            + r["kvcached_pd"]["notes"])]
+                            + r["kvcached_pd"]["notes"] + (r.get("wire") or {}).get("notes", []))]
     if details:
         lines += ["", "Details:"]
         lines += [f"  {n}: {line}" for n, line in details]

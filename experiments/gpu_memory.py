@@ -98,3 +98,87 @@ def instance_memory(root_pid: int | None, ipc_name: str | None,
         device = sum(mine) if mine else None
     return {"device_mib": device,
             "kvcached": kvcached_mapped(ipc_name) if ipc_name else None}
+
+
+def gpu_used_mib() -> dict[str, float] | None:
+    """Device memory in use per GPU (MiB, nvidia-smi's index -> memory.used): what every
+    process holds together, including memory one process exported and another mapped,
+    which no per-process figure shows."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used",
+                              "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return parse_gpu_used(out.stdout)
+
+
+def parse_gpu_used(text: str) -> dict[str, float]:
+    used: dict[str, float] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit():
+            try:
+                used[parts[0]] = float(parts[1])
+            except ValueError:
+                continue
+    return used
+
+
+def _kv_mapped(reading: dict | None) -> int:
+    kv = (reading or {}).get("kvcached") or {}
+    return (kv.get("used") or 0) + (kv.get("prealloc") or 0)
+
+
+def merge_peak(peak: dict[str, dict], sample: dict[str, dict]) -> dict[str, dict]:
+    """Fold one sample (name -> {"device_mib", "kvcached"}) into ``peak``: per name the
+    highest device_mib and the kvcached account with the most bytes mapped (in use +
+    ahead), each from whichever sample had it; ``samples`` counts the readings."""
+    out = {k: dict(v) for k, v in peak.items()}
+    for name, reading in sample.items():
+        if reading is None:
+            continue
+        cur = out.setdefault(name, {"device_mib": None, "kvcached": None, "samples": 0})
+        cur["samples"] += 1
+        dev = reading.get("device_mib")
+        if dev is not None and (cur["device_mib"] is None or dev > cur["device_mib"]):
+            cur["device_mib"] = dev
+        if reading.get("kvcached") is not None and (
+                cur["kvcached"] is None or _kv_mapped(reading) > _kv_mapped(cur)):
+            cur["kvcached"] = dict(reading["kvcached"])
+    return out
+
+
+class PeakSampler:
+    """Reads ``read()`` (name -> reading) every ``interval_s`` on a thread while a load
+    runs, so "under load" is the highest reading seen, not one taken after the requests
+    finished (kvcached unmaps a finished request's pages within a second or two)."""
+
+    def __init__(self, read, interval_s: float = 0.5):
+        import threading
+
+        self._read, self._interval = read, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.peak: dict[str, dict] = {}
+        self.errors = 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = merge_peak(self.peak, self._read())
+            except Exception:  # noqa: BLE001 - a failed reading must not stop the load
+                self.errors += 1
+            self._stop.wait(self._interval)
+
+    def start(self) -> "PeakSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, dict]:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        return self.peak
+

@@ -101,6 +101,85 @@ def check_staging(readings: dict[str, dict]) -> dict:
             "readings": readings}
 
 
+def check_wire(expected: str | None, wires: list[str], fallbacks: float | None,
+               counter_readable: bool = True) -> dict:
+    """Which wire served D's staged peer: ``wires`` as D's log names them
+    (pd_servers.wire_evidence), ``fallbacks`` D's growth of
+    vllm:kvcached_pd_wire_fallbacks_total (None: not exported). ``expected`` None: only
+    reported. ``counter_readable`` False (D was killed): the log alone decides."""
+    seen = "/".join(wires) or "none named"
+    detail = f"D's log: wire {seen}; IPC->NIXL fallbacks " + \
+        ("-" if fallbacks is None else f"{fallbacks:.0f}")
+    if expected is None:
+        return {"status": NA, "detail": detail + " (no wire expected)", "wires": wires}
+    if not wires:
+        return {"status": ABSENT, "wires": wires,
+                "detail": f"D's log names no wire for its staged peer (expected {expected})"}
+    if wires != [expected]:
+        return {"status": FAIL, "wires": wires, "detail": detail + f"; expected {expected} only"}
+    if expected == "ipc" and fallbacks:
+        return {"status": FAIL, "wires": wires,
+                "detail": detail + ": a peer fell back from IPC to NIXL"}
+    if expected == "ipc" and fallbacks is None and counter_readable:
+        return {"status": ABSENT, "wires": wires,
+                "detail": detail + " (D exports no " + M.KVPD_WIRE_FALLBACKS + ")"}
+    return {"status": PASS, "wires": wires, "detail": detail}
+
+
+def check_memory_returned(killed: str, before: dict, idle: dict,
+                          gpu_before: float | None, gpu_idle: float | None,
+                          survivor_kvcached: bool = True, kv_tolerance_mib: float = 64,
+                          gpu_tolerance_mib: float = 512) -> dict:
+    """After ``killed`` (prefill | decode) died mid-load and the settle window passed:
+
+    - the survivor's KV memory returned: kvcached's pages in use no more than before the
+      load (+ ``kv_tolerance_mib``, two pages of the tiny model's contiguous layout; n/a
+      for a survivor without kvcached);
+    - the dead instance's device memory came back to the GPU: the GPU's memory in use
+      fell by at least what the dead one held before the load, less ``gpu_tolerance_mib``
+      (the survivor's kvcached may map a few pages ahead meanwhile). Where the survivor
+      still maps memory the dead one exported (a staging region opened through CUDA IPC),
+      that memory stays allocated and the drop falls short by its size.
+
+    ``before``/``idle``: role -> instance reading (gpu_memory.instance_memory). A part
+    that cannot be read is absent; n/a only when the machine gives no reading at all
+    (no nvidia-smi, no kvcached segment: the offline fake)."""
+    survivor = "decode" if killed == "prefill" else "prefill"
+    parts, states = [], []
+    kv_b = ((before.get(survivor) or {}).get("kvcached") or {}).get("used")
+    kv_i = ((idle.get(survivor) or {}).get("kvcached") or {}).get("used")
+    if not survivor_kvcached:
+        parts.append(f"{survivor} runs without kvcached")
+        states.append(NA)
+    elif kv_b is None or kv_i is None:
+        parts.append(f"{survivor}'s kvcached pages: not readable")
+        states.append(ABSENT)
+    else:
+        grew = (kv_i - kv_b) / 2**20
+        ok = grew <= kv_tolerance_mib
+        states.append(PASS if ok else FAIL)
+        parts.append(f"{survivor}'s KV pages in use {kv_b / 2**20:.0f} MiB before the load, "
+                     f"{kv_i / 2**20:.0f} MiB once settled" + ("" if ok else " (not returned)"))
+    held = (before.get(killed) or {}).get("device_mib")
+    if held is None or gpu_before is None or gpu_idle is None:
+        parts.append("GPU memory in use: not readable")
+        states.append(ABSENT)
+    else:
+        drop = gpu_before - gpu_idle
+        ok = drop >= held - gpu_tolerance_mib
+        states.append(PASS if ok else FAIL)
+        parts.append(f"the GPU's memory in use fell by {drop:.0f} MiB, {killed} held "
+                     f"{held:.0f} MiB" + ("" if ok else " (not all returned)"))
+    readable = [x for x in states if x != ABSENT]
+    if FAIL in states:
+        status = FAIL
+    elif not readable or readable == [NA]:
+        status = NA if held is None and gpu_before is None and gpu_idle is None and \
+            kv_b is None and kv_i is None else ABSENT
+    else:
+        status = ABSENT if ABSENT in states else PASS
+    return {"status": status, "detail": "; ".join(parts), "survivor": survivor}
+
 def check_alive(roles: dict[str, dict]) -> dict:
     """``roles``: role -> {"alive": bool, "health": int, "killed": bool, "tail": str}."""
     dead, problems = [], []

@@ -293,6 +293,8 @@ class M:
     KVPD_D_STAGING = "vllm:kvcached_pd_decode_staging_bytes"  # D: extents reserved
     KVPD_FALLBACKS = "vllm:kvcached_pd_direct_fallbacks_total"  # staged -> direct path
     KVPD_STAGING_WAITS = "vllm:kvcached_pd_staging_waits_total"  # waits for staging room
+    # D: peers that fell back from the CUDA IPC wire to the NIXL READ (issue 19)
+    KVPD_WIRE_FALLBACKS = "vllm:kvcached_pd_wire_fallbacks_total"
 
 
 def metric_delta(before: MetricSnapshot | None, after: MetricSnapshot | None, name: str,

@@ -71,20 +71,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from load_checks import (ABSENT, FAIL, NA, PASS, check_alive, check_kv_loaded, check_outputs,
-                         check_requests, check_staging, latency_stats, ms, staging_expected,
-                         verdict_of)
-from gpu_memory import compute_apps_mib, instance_memory
+from load_checks import (ABSENT, FAIL, NA, PASS, check_alive, check_kv_loaded,
+                         check_memory_returned, check_outputs, check_requests, check_staging,
+                         check_wire, latency_stats, ms, staging_expected, verdict_of)
+from gpu_memory import PeakSampler, compute_apps_mib, gpu_used_mib, instance_memory
 from load_client import AbortPlan, completion_body, run_load, stream_completion
 from pd_common import (M, Deadline, MetricSnapshot, Prompt, get, load_prompts, log,
                        make_prompt_text, metric_delta, post_json, scrape_metrics, write_json)
-from pd_modes import (KVCACHED_LAYOUTS, LOAD_DEFAULT_MODES, LOAD_FLAVOURS, Mode,
-                      kv_transfer_config, load_modes)
+from pd_modes import (KVCACHED_LAYOUTS, LOAD_DEFAULT_MODES, LOAD_FLAVOURS, WIRES, Mode,
+                      expected_wire, kv_transfer_config, load_modes, staged_pair)
 from pd_proxy import PREFILL_KV_PARAMS
 from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,
                         PortAllocator, describe_environment, serve_settings_from_args,
                         indent, instance_env, kvcached_pd_evidence, neutral_env, serve_args,
-                        stop_all, wait_until_ready, write_vllm_logging_config)
+                        stop_all, wait_until_ready, wire_evidence, write_vllm_logging_config)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -120,6 +120,7 @@ class ModeRun:
     ttft: dict | None = None
     killed: str | None = None  # the role killed on purpose
     broken: str | None = None  # why no further repeats run
+    expected_wire: str | None = None  # the wire D must name for its staged peer
 
     def procs(self) -> list[ManagedProcess]:
         return list(self.instances.values()) + ([self.proxy] if self.proxy else [])
@@ -201,7 +202,8 @@ class LoadHarness:
     def start(self, modes: list[Mode]) -> None:
         a = self.a
         for mode in modes:
-            run = self.runs[mode.name] = ModeRun(mode)
+            run = self.runs[mode.name] = ModeRun(mode, expected_wire=expected_wire(
+                mode, a.expect_wire))
             roles = [("single", a.prefill_gpu)] if not mode.is_pd else \
                 [("prefill", a.prefill_gpu), ("decode", a.decode_gpu)]
             for role, gpu in roles:
@@ -281,7 +283,7 @@ class LoadHarness:
         except ValueError:
             return {}
 
-    def memory(self, run: ModeRun) -> dict[str, dict]:
+    def memory(self, run: ModeRun, staging: bool = True) -> dict[str, dict]:
         """Each live instance's GPU memory (``gpu_memory``) and its staging size."""
         apps = compute_apps_mib()
         readings = {}
@@ -290,14 +292,27 @@ class LoadHarness:
                 continue
             ipc = run.ports[role]["env"].get("KVCACHED_IPC_NAME")
             reading = instance_memory(proc.proc.pid if proc.proc else None, ipc, apps)
-            reading["staging_mib"] = staging_mib(proc.log_path)
+            if staging:
+                reading["staging_mib"] = staging_mib(proc.log_path)
             readings[role] = reading
         return readings
+
+    def gpu_used(self, run: ModeRun) -> float | None:
+        """The memory in use on D's GPU (all processes; P shares it in colocated runs)."""
+        used = gpu_used_mib()
+        return None if used is None else used.get(run.ports["decode"]["gpu"])
+
+    def memory_sampler(self, run: ModeRun) -> PeakSampler:
+        def read():
+            return {**self.memory(run, staging=False),
+                    "gpu": {"device_mib": self.gpu_used(run), "kvcached": None}}
+        return PeakSampler(read, self.a.memory_sample_s)
 
     # ---- one load of one mode --------------------------------------------------------
     def one_repeat(self, run: ModeRun, index: int, kill: bool) -> dict:
         a = self.a
         memory = {"before": self.memory(run)}
+        gpu = {"before": self.gpu_used(run)}
         before = self.scrape(run)
         proxy_before = self.proxy_stats(run)
         timer = None
@@ -310,12 +325,18 @@ class LoadHarness:
                 timer.daemon = True
                 timer.start()
 
+        sampler = self.memory_sampler(run).start() if a.memory_sample_s > 0 else None
         t0 = time.monotonic()
-        requests = run_load(run.url, a.model, self.prompts, a.max_tokens, a.concurrency,
-                            a.request_timeout, self.aborts, on_start=arm_kill)
+        try:
+            requests = run_load(run.url, a.model, self.prompts, a.max_tokens, a.concurrency,
+                                a.request_timeout, self.aborts, on_start=arm_kill)
+        finally:
+            peak = sampler.stop() if sampler else {}
         wall = time.monotonic() - t0
         if timer is not None:
             timer.join()
+        memory["peak_load"] = {role: r for role, r in peak.items() if role != "gpu"}
+        gpu["peak_load"] = (peak.get("gpu") or {}).get("device_mib")
         rep: dict = {"repeat": index, "wall_s": round(wall, 3), "kill": kill and a.kill}
         rep["n_sent"] = len(requests)
         rep["n_completed"] = sum(r["ok"] for r in requests)
@@ -335,6 +356,7 @@ class LoadHarness:
         d_after_load = scrape_metrics(run.base("decode")) \
             if run.instances["decode"].alive() else None
         memory["after_load"] = self.memory(run)
+        gpu["after_load"] = self.gpu_used(run)
         if kill:  # after D's counters are read: the probes make D compute prompts itself
             checks["survivor"] = self.survivor_check(run)
         window = a.settle_s
@@ -353,6 +375,7 @@ class LoadHarness:
             window = max(window, a.kv_lease_s + 15)
         readings = self.settle_staging(run, window)
         memory["idle"] = self.memory(run)
+        gpu["idle"] = self.gpu_used(run)
         after = self.scrape(run)
         checks["outputs"] = check_outputs(requests, self.reference, self.faulty)
         checks["requests"] = check_requests(requests, self.faulty)
@@ -382,6 +405,19 @@ class LoadHarness:
                           + ("" if clean else " (aborts/faults: reported, not checked)")}
         if a.ucx_fault_lib:
             checks["fault_injected"] = self.fault_evidence(run)
+        # D picks a peer's wire at its first handoff (the warm-up): its fallbacks since start
+        d_after = after.get("decode")
+        rep["wire_fallbacks_total"] = fallbacks = \
+            d_after.total(M.KVPD_WIRE_FALLBACKS) if d_after is not None else None
+        if staged_pair(run.mode):
+            checks["wire"] = check_wire(
+                run.expected_wire, wire_evidence(run.instances["decode"].log_path)["wires"],
+                fallbacks, counter_readable=run.killed != "decode")
+        if kill:
+            survivor = "decode" if a.kill == "prefill" else "prefill"
+            checks["memory"] = check_memory_returned(
+                a.kill, memory["before"], memory["idle"], gpu["before"], gpu["idle"],
+                survivor_kvcached=run.ports[survivor]["env"].get("ENABLE_KVCACHED") == "true")
         rep["checks"] = checks
         rep["counters"] = counters
         stats = self.proxy_stats(run)
@@ -389,6 +425,7 @@ class LoadHarness:
                                     - proxy_before.get(f"client_gone_{leg}", 0)
                                     for leg in ("prefill", "decode")} if stats else None
         rep["memory"] = memory
+        rep["gpu_used_mib"] = gpu
         rep["latency"] = latency_stats(requests)
         rep["verdict"] = verdict_of(checks)
         rep["requests"] = requests
@@ -624,6 +661,11 @@ class LoadHarness:
                                        .get("readings", {}).values() if rd["expected"]),
                                       default=None),
             "direct_fallbacks": {s: total("direct_fallbacks", s) for s in ("prefill", "decode")},
+            "wire_fallbacks": max((r["wire_fallbacks_total"] for r in reps
+                                   if r.get("wire_fallbacks_total") is not None), default=None),
+            "expected_wire": run.expected_wire,
+            "wires": wire_evidence(run.instances["decode"].log_path)["wires"]
+            if "decode" in run.instances else [],
             "staging_waits": {s: total("staging_waits", s) for s in ("prefill", "decode")},
             "nixl_failed_transfers": total("nixl_failed_transfers"),
             "ucx_faults_injected": _faults_injected(reps),
@@ -631,6 +673,7 @@ class LoadHarness:
             "ttft_batch": run.ttft["latency"] if run.ttft else None,
             "kvcached_pd": evidence,
             "memory": reps[-1].get("memory") if reps else None,
+            "gpu_used_mib": reps[-1].get("gpu_used_mib") if reps else None,
         }
 
     def write(self) -> dict:
@@ -719,7 +762,7 @@ def render_summary(doc: dict) -> str:
              f"kvcached layout: {load['kvcached_layout']}", ""]
     hdr = (f"{'mode':<14} {'verdict':<9} {'done/sent':>10} {'abort':>5} {'fail':>4} "
            f"{'diff':>4} {'dead':>4} {'staging':>8} {'fallbk P/D':>10} {'waits P/D':>9} "
-           f"{'nixlF':>5}  checks")
+           f"{'nixlF':>5} {'wire':>8} {'wireFB':>6}  checks")
     lines += [hdr, "-" * len(hdr)]
 
     def pair(d):
@@ -732,11 +775,12 @@ def render_summary(doc: dict) -> str:
             ("-" if r["staging_left_bytes"] is None else f"{r['staging_left_bytes']:.0f}B"))
         checks = ",".join(f"{k}:{'/'.join(v)}" for k, v in r["checks"].items())
         done = f"{r['completed']}/{r['sent']}"
+        wire = "/".join(r.get("wires") or []) or "-"
         lines.append(f"{name:<14} {r['verdict']:<9} {done:>10} "
                      f"{r['aborted']:>5} {r['failed']:>4} {r['different']:>4} {r['deaths']:>4} "
                      f"{staging:>8} {pair(r['direct_fallbacks']):>10} "
-                     f"{pair(r['staging_waits']):>9} {_f(r['nixl_failed_transfers'], 0):>5}  "
-                     f"{checks}")
+                     f"{pair(r['staging_waits']):>9} {_f(r['nixl_failed_transfers'], 0):>5} "
+                     f"{wire:>8} {_f(r.get('wire_fallbacks'), 0):>6}  {checks}")
     faults = {n: r["ucx_faults_injected"] for n, r in doc["modes"].items()
               if r.get("ucx_faults_injected")}
     if faults:
@@ -782,17 +826,25 @@ def render_summary(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+MEMORY_POINTS = ("before", "peak_load", "after_load", "idle")
+
+
 def render_memory(doc: dict) -> list[str]:
     """Per instance of each mode, from its last repeat: device memory (MiB) before the
-    load, right after it, and once idle (after the settle window); kvcached's mapped KV
-    (in use + mapped ahead, MiB) at the same points; the staging region."""
-    rows = []
+    load, the highest sampled during it, right after it, and once idle (after the settle
+    window); kvcached's mapped KV (in use + mapped ahead, MiB) at the same points; the
+    staging region. Then the GPU's memory in use (all processes) at the same points."""
+    rows, gpu_rows = [], []
     for name, r in doc["modes"].items():
+        gpu = r.get("gpu_used_mib") or {}
+        if any(gpu.get(p) is not None for p in MEMORY_POINTS):
+            gpu_rows.append(f"  {name:<14} " + " / ".join(
+                "-" if gpu.get(p) is None else f"{gpu[p]:.0f}" for p in MEMORY_POINTS))
         mem = r.get("memory")
         if not mem:
             continue
         for role in ("prefill", "decode"):
-            points = [mem.get(p, {}).get(role) for p in ("before", "after_load", "idle")]
+            points = [(mem.get(p) or {}).get(role) for p in MEMORY_POINTS]
             if not any(points):
                 continue
 
@@ -803,14 +855,19 @@ def render_memory(doc: dict) -> list[str]:
                 k = (x or {}).get("kvcached")
                 return "-" if not k else f"{k['used'] / 2**20:.0f}+{k['prealloc'] / 2**20:.0f}"
             staging = next((p["staging_mib"] for p in points if p and p.get("staging_mib")), None)
-            rows.append(f"  {name:<14} {role:<8} {' / '.join(dev(p) for p in points):>22}  "
-                        f"{' / '.join(kv(p) for p in points):>26}  "
+            rows.append(f"  {name:<14} {role:<8} {' / '.join(dev(p) for p in points):>29}  "
+                        f"{' / '.join(kv(p) for p in points):>34}  "
                         f"{'-' if staging is None else staging:>8}")
-    if not rows:
-        return []
-    return ["GPU memory per instance, last repeat (before load / after load / idle):",
-            f"  {'mode':<14} {'role':<8} {'device MiB':>22}  "
-            f"{'kvcached KV MiB (in use+ahead)':>26}  {'staging':>8}"] + rows
+    out = []
+    if rows:
+        out += ["GPU memory per instance, last repeat (before load / peak under load / after "
+                "load / idle):",
+                f"  {'mode':<14} {'role':<8} {'device MiB':>29}  "
+                f"{'kvcached KV MiB (in use+ahead)':>34}  {'staging':>8}"] + rows
+    if gpu_rows:
+        out += ["GPU memory in use, all processes, MiB (same points; the run's other "
+                "instances idle):"] + gpu_rows
+    return out
 
 
 _STAGING_LINE = re.compile(r"kvcached-pd: staged transport ready .*?: (\d+) MiB staging")
@@ -920,6 +977,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="VLLM_BATCH_INVARIANT=1 on every instance: concurrent greedy outputs "
                          "independent of batch composition (else PD and the reference may "
                          "differ by bf16 numerics alone)")
+    ap.add_argument("--expect-wire", choices=WIRES, default=None,
+                    help="the wire D must name for its staged peer where the mode does not "
+                         "force one (KVCACHED_PD_WIRE unset: kvcached-pd's automatic choice), "
+                         "e.g. ipc with P and D on one GPU; checked as 'wire' with D's "
+                         "vllm:kvcached_pd_wire_fallbacks_total (default: only reported)")
+    ap.add_argument("--memory-sample-s", type=float, default=0.5,
+                    help="sample each instance's GPU memory this often during a load (the "
+                         "'peak under load' reading); 0: off")
     ap.add_argument("--trace", action="store_true",
                     help="KVCACHED_PD_TRACE=1 on kvcached-pd instances; per-stage timeline")
     ap.add_argument("--max-model-len", type=int, default=4096)

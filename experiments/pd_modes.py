@@ -10,6 +10,10 @@ Environment contract (see experiments/README.md):
                  off entirely (then only kvcached 0.1.6's own NIXL patch applies);
                  KVCACHED_PD_TRANSPORT=staged|direct picks the data path (always set explicitly,
                  the default may change);
+- wire:          KVCACHED_PD_WIRE=nixl|ipc forces how a staged extent reaches D (a NIXL READ, or
+                 D reading P's staging through CUDA IPC); unset, kvcached-pd's default (auto:
+                 IPC where D can open P's staging, NIXL otherwise) decides per peer, and D's
+                 log says which wire serves each peer;
 - test only:     KVCACHED_PD_TEST_CORRUPT=1 makes the decode side flip bits in one received block.
 """
 
@@ -96,6 +100,10 @@ PD_STAGED_PREALLOC = InstanceConfig("kvcached-pd-staged-prealloc",
 PD_STAGED_CONTIG = InstanceConfig(
     "kvcached-pd-staged-contiguous",
     {k: v for k, v in kvcached_pd_env("staged").items() if k != "KVCACHED_CONTIGUOUS_LAYOUT"})
+# The same with the NIXL READ forced: on one host, what the staged transport costs when D
+# does not read P's staging through CUDA IPC (the comparison the IPC wire is measured by).
+PD_STAGED_CONTIG_NIXL = InstanceConfig("kvcached-pd-staged-contiguous-nixl",
+                                       dict(PD_STAGED_CONTIG.env, KVCACHED_PD_WIRE="nixl"))
 BENCH_ONLY = "bench-only"  # tag: left out of 'all' (the equivalence harness's default)
 
 MODES: dict[str, Mode] = {
@@ -122,6 +130,12 @@ MODES: dict[str, Mode] = {
             "layout", PD_STAGED_CONTIG, PD_STAGED_CONTIG),
         _pd("push-contiguous", "NixlPushConnector, kvcached_pd staged, contiguous layout",
             PD_STAGED_CONTIG, PD_STAGED_CONTIG, connector="NixlPushConnector", optional=True),
+        _pd("staged-nixl", "PD, kvcached_pd staged, contiguous layout, KVCACHED_PD_WIRE=nixl "
+            "(the NIXL READ even where CUDA IPC could serve)",
+            PD_STAGED_CONTIG_NIXL, PD_STAGED_CONTIG_NIXL),
+        _pd("push-nixl", "NixlPushConnector, kvcached_pd staged, contiguous layout, "
+            "KVCACHED_PD_WIRE=nixl", PD_STAGED_CONTIG_NIXL, PD_STAGED_CONTIG_NIXL,
+            connector="NixlPushConnector", optional=True),
         _pd("blocksize", "kvcached_pd staged, P --block-size 16, D --block-size 32",
             PD_STAGED, InstanceConfig("kvcached-pd-staged-bs32", kvcached_pd_env("staged"), 32)),
         _pd("negative", "negative control: kvcached_pd staged + KVCACHED_PD_TEST_CORRUPT=1 "
@@ -143,6 +157,30 @@ MODES: dict[str, Mode] = {
 # kvcached instances starting together ran kvcached out of device memory.
 BENCH_MODES = ("vanilla", "kvcached-pd-staged", "kvcached-pd-staged-prealloc", "kvcached-own")
 
+WIRE_ENV = "KVCACHED_PD_WIRE"
+WIRES = ("nixl", "ipc")
+
+
+def staged_pair(mode: Mode) -> bool:
+    """Both sides run kvcached-pd's staged transport: only then does D pick a wire for its
+    peer (a vanilla side has no staging to read)."""
+    return mode.is_pd and all(
+        c.env.get("KVCACHED_PD") == "1" and c.env.get("KVCACHED_PD_TRANSPORT") == "staged"
+        for c in (mode.prefill, mode.decode))
+
+
+def expected_wire(mode: Mode, default: str | None) -> str | None:
+    """The wire D must report for its peer in ``mode``: the one the mode forces on D
+    (KVCACHED_PD_WIRE=nixl|ipc), else ``default`` (what the host should give kvcached-pd's
+    automatic choice, e.g. ipc with P and D on one GPU; None: not checked). None for a
+    mode that is not a staged pair."""
+    if default is not None and default not in WIRES:
+        raise ValueError(f"wire {default!r}: expected one of {WIRES}")
+    if not staged_pair(mode):
+        return None
+    forced = mode.decode.env.get(WIRE_ENV, "auto")
+    return forced if forced in WIRES else default
+
 
 # ---- load flavours (pd_load.py) --------------------------------------------------------
 # Under load kvcached-pd must hold up with kvcached exactly as an operator gets it:
@@ -156,25 +194,34 @@ KVCACHED_DEFAULTS = {"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1"}
 KVCACHED_LAYOUTS = {"contiguous": {}, "split": {"KVCACHED_CONTIGUOUS_LAYOUT": "false"}}
 
 
-def load_env(transport: str | None, layout: str = "contiguous") -> dict[str, str]:
+def load_env(transport: str | None, layout: str = "contiguous",
+             wire: str | None = None) -> dict[str, str]:
     """Environment of one load-flavour instance: vanilla (transport None) or kvcached with
-    kvcached-pd's ``transport``, on kvcached's defaults and the chosen layout."""
+    kvcached-pd's ``transport``, on kvcached's defaults and the chosen layout; ``wire``
+    forces KVCACHED_PD_WIRE (None: kvcached-pd's default)."""
     if transport is None:
         return dict(KVCACHED_OFF)
     if layout not in KVCACHED_LAYOUTS:
         raise ValueError(f"kvcached layout {layout!r}: expected one of {sorted(KVCACHED_LAYOUTS)}")
-    return {**KVCACHED_DEFAULTS, **KVCACHED_LAYOUTS[layout], "KVCACHED_PD": "1",
-            "KVCACHED_PD_TRANSPORT": transport}
+    env = {**KVCACHED_DEFAULTS, **KVCACHED_LAYOUTS[layout], "KVCACHED_PD": "1",
+           "KVCACHED_PD_TRANSPORT": transport}
+    if wire is not None:
+        env[WIRE_ENV] = wire
+    return env
 
 
-# name -> (description, transport of both sides or None for vanilla, connector)
-LOAD_FLAVOURS: dict[str, tuple[str, str | None, str]] = {
+# name -> (description, transport of both sides or None for vanilla, connector[, wire])
+LOAD_FLAVOURS: dict[str, tuple] = {
     "vanilla": ("PD, vLLM without kvcached", None, "NixlConnector"),
     "kvpd-staged": ("PD, kvcached + kvcached-pd staged pull", "staged", "NixlConnector"),
     "kvpd-push": ("PD, kvcached + kvcached-pd staged push", "staged", "NixlPushConnector"),
     "kvpd-direct": ("PD, kvcached + kvcached-pd direct (needs --kvcached-layout split)",
                     "direct", "NixlConnector"),
     "vanilla-push": ("PD, vLLM's own push without kvcached", None, "NixlPushConnector"),
+    "kvpd-staged-nixl": ("PD, kvcached + kvcached-pd staged pull, KVCACHED_PD_WIRE=nixl",
+                         "staged", "NixlConnector", "nixl"),
+    "kvpd-push-nixl": ("PD, kvcached + kvcached-pd staged push, KVCACHED_PD_WIRE=nixl",
+                       "staged", "NixlPushConnector", "nixl"),
 }
 LOAD_DEFAULT_MODES = ("vanilla", "kvpd-staged", "kvpd-push")
 
@@ -187,9 +234,11 @@ def load_modes(names: list[str], layout: str = "contiguous") -> list[Mode]:
             raise SystemExit(f"unknown load mode {name!r}; known: {', '.join(LOAD_FLAVOURS)}")
         if any(m.name == name for m in out):
             continue
-        description, transport, connector = LOAD_FLAVOURS[name]
-        flavour = "vanilla" if transport is None else f"kvcached-pd-{transport}-{layout}"
-        cfg = InstanceConfig(flavour, load_env(transport, layout))
+        description, transport, connector, *wire = LOAD_FLAVOURS[name]
+        wire = wire[0] if wire else None
+        flavour = "vanilla" if transport is None else \
+            f"kvcached-pd-{transport}-{layout}" + (f"-{wire}" if wire else "")
+        cfg = InstanceConfig(flavour, load_env(transport, layout, wire))
         out.append(_pd(name, description, cfg, cfg, connector=connector))
     return out
 

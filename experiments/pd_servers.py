@@ -521,6 +521,27 @@ def kvcached_pd_evidence(log_path: str) -> dict:
             "failed": sorted(failed), "corrupted_blocks_logged": corrupted}
 
 
+# D logs once per staged peer which wire serves it: "kvcached-pd: staged peer ENGINE rank
+# R: ... wire ipc" (or "wire nixl"); the wire-format version on the same line reads
+# "wire version N", which this does not take for a wire.
+_PD_WIRE = re.compile(r"kvcached-pd: staged peer .*?\bwire (ipc|nixl)\b")
+
+
+def wire_evidence(log_path: str) -> dict:
+    """The wires D's log names for its staged peers: ``wires`` (sorted, distinct) and
+    ``peer_lines`` (how many such lines)."""
+    wires, lines = set(), 0
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if (m := _PD_WIRE.search(line)):
+                    wires.add(m.group(1))
+                    lines += 1
+    except OSError:
+        pass
+    return {"wires": sorted(wires), "peer_lines": lines}
+
+
 # --------------------------------------------------------------------------------------
 # Environment description
 # --------------------------------------------------------------------------------------

@@ -32,6 +32,13 @@ fetched them (or VLLM_NIXL_ABORT_REQUEST_TIMEOUT passed), D while it fetches;
 FAKE_VLLM_STAGING_LEAK=1 makes P never release. The fallback counter is exported (always
 0); the staging-wait counter is not (to exercise "absent").
 
+The staged wire (kvcached-pd's KVCACHED_PD_WIRE=auto|nixl|ipc on D): a staged D logs once
+per peer "kvcached-pd: staged peer ENGINE rank 0: ... wire ipc|nixl"; auto resolves to
+FAKE_VLLM_AUTO_WIRE (default nixl, a peer on another host); on the IPC wire no NIXL READ is
+counted. FAKE_VLLM_IPC_FAILS=1: opening the peer's staging fails, the peer falls back to
+NIXL and vllm:kvcached_pd_wire_fallbacks_total counts it; FAKE_VLLM_NO_WIRE_COUNTER=1: that
+counter is not exported.
+
 UCX fault injection, emulated: with UCX_FAULT_ENABLED=1 and an LD_PRELOAD naming
 "fake_ucx_fault", the instance logs the injector's start line and a decode instance fails
 the KV fetches that UCX_FAULT_PATTERN marks X (a failed transfer: the request fails,
@@ -116,6 +123,24 @@ class State:
         self.alias: dict[str, str] = {}  # P: the proxy's X-Request-Id -> rid (push)
         self.d_staging = 0  # D: bytes of fetches in flight
         self.abort_timeout = float(os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480"))
+        self.peer_wires: dict[str, str] = {}  # D: peer engine -> the wire serving it
+        self.wire_fallbacks = 0
+
+    def wire_for(self, peer: str) -> str:
+        """D's wire for a staged peer, chosen (and logged) once per peer."""
+        with self.lock:
+            if peer in self.peer_wires:
+                return self.peer_wires[peer]
+            wire = os.environ.get("KVCACHED_PD_WIRE", "auto")
+            if wire == "auto":
+                wire = os.environ.get("FAKE_VLLM_AUTO_WIRE", "nixl")
+            if wire == "ipc" and os.environ.get("FAKE_VLLM_IPC_FAILS"):
+                wire = "nixl"
+                self.wire_fallbacks += 1
+            self.peer_wires[peer] = wire
+        print(f"INFO kvcached-pd: staged peer {peer} rank 0: 2048 MiB staging, wire version 2, "
+              f"wire {wire}", flush=True)
+        return wire
 
     def release(self, rid: str) -> None:
         if os.environ.get("FAKE_VLLM_STAGING_LEAK"):
@@ -174,6 +199,9 @@ def metrics_text(st: State) -> str:
             f"vllm:kvcached_pd_handoff_seconds_sum{{{lbl}}} {c['handoff_sum']}",
             f"vllm:kvcached_pd_direct_fallbacks_total{{{lbl}}} 0.0",
         ]
+        if not os.environ.get("FAKE_VLLM_NO_WIRE_COUNTER"):
+            lines.append(f"vllm:kvcached_pd_wire_fallbacks_total{{{lbl}}} "
+                         f"{float(st.wire_fallbacks)}")
         st.expire()
         with st.lock:
             if st.kv_config.get("kv_role") == "kv_producer":
@@ -269,6 +297,8 @@ def make_handler(st: State):
                     with st.lock:
                         st.d_staging -= nbytes
                 xfer = time.perf_counter() - t0
+                ipc = st.staged and "kvcached_pd" in kvp and \
+                    st.wire_for(kvp.get("remote_engine_id", "?")) == "ipc"
                 if os.environ.get("KVCACHED_PD_TEST_CORRUPT") == "1" or \
                         os.environ.get("FAKE_VLLM_CORRUPT_DECODE") == "1":
                     kv = list(kv)
@@ -278,10 +308,11 @@ def make_handler(st: State):
                     st.c["ext_hits"] += len(prompt_ids)
                     st.c["ext_queries"] += len(prompt_ids)
                     st.c["external"] += len(prompt_ids)
-                    st.c["xfer_sum"] += xfer
-                    st.c["xfer_count"] += 1
-                    st.c["bytes_sum"] += len(prompt_ids) * 32768
-                    st.c["descs_sum"] += 2 * (len(prompt_ids) + 15) // 16
+                    if not ipc:  # the IPC wire reads P's staging in place: no NIXL READ
+                        st.c["xfer_sum"] += xfer
+                        st.c["xfer_count"] += 1
+                        st.c["bytes_sum"] += len(prompt_ids) * 32768
+                        st.c["descs_sum"] += 2 * (len(prompt_ids) + 15) // 16
                     st.c["queue_sum"] += time.time() - t_arrival
                     st.c["queue_count"] += 1
                     if st.staged and "kvcached_pd" in kvp:

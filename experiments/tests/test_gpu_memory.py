@@ -57,9 +57,11 @@ def test_summary_table_and_staging_line(tmp_path):
     kv = {"total": 1, "used": 3 << 20, "prealloc": 160 << 20}
     point = {"device_mib": 9000.0, "kvcached": kv, "staging_mib": 4096}
     doc = {"modes": {"kvpd-staged": {"memory": {
-        "before": {"prefill": point}, "after_load": {"prefill": point},
+        "before": {"prefill": point}, "peak_load": {"prefill": dict(point, device_mib=9500.0)},
+        "after_load": {"prefill": point},
         "idle": {"prefill": dict(point, device_mib=None)}}}, "vanilla": {"memory": None}}}
     lines = render_memory(doc)
-    assert "9000 / 9000 / -" in lines[2] and "3+160 / 3+160 / 3+160" in lines[2]
+    assert "9000 / 9500 / 9000 / -" in lines[2]
+    assert "3+160 / 3+160 / 3+160 / 3+160" in lines[2]
     assert lines[2].rstrip().endswith("4096")
     assert render_memory({"modes": {"vanilla": {}}}) == []

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Colocated PD (P and D on one GPU) measured side by side: one instance without PD, vanilla
+# vLLM PD, and kvcached-pd's staged transport on its default wire (KVCACHED_PD_WIRE unset:
+# auto, CUDA IPC when D can open P's staging, which on one GPU it must) and on the NIXL
+# READ (KVCACHED_PD_WIRE=nixl); kvcached's default settings, vLLM as installed on the host.
+# One part per host command (< 10 minutes each; the host hands back at most 8 files).
+#
+# usage: bash experiments/run_colocated_on_host.sh OUT PART
+#   PART a (~4 min): transfer benchmark on kvbig (256 KiB KV/token) at 4, 94 and 1024 MiB
+#          per request: vanilla, staged-contiguous (default wire), staged-nixl; effective
+#          handoff = P's pack + D's copy/unpack (device times; the NIXL READ between them on
+#          the nixl wire); plus the TTFT batch 8 x 3000 tokens through each pair.
+#   PART b (~8.5 min): load, kvbig 48 requests 8 at a time (2 repeats) with the TTFT batch
+#          8 x 3000 tokens, then tiny 64 requests 16 at a time (3 repeats): the no-PD
+#          reference, vanilla PD, kvcached-pd pull and push (push legs sent at once), each
+#          instance's GPU memory before, under (sampled peak) and after the load, and idle.
+#   PART c (~6 min): equivalence with D's prefix cache on, push legs sent at once: reference,
+#          vanilla, staged pull and push on kvcached's default (contiguous) layout and on
+#          the split layout, mixed fleets both ways, P16/D32, the negative control (must
+#          DIFFER).
+#   PART d (~5 min): the issue's client aborts x5 (tiny 64/16, every 9th client drops its P
+#          leg after 50 ms and its D leg after 10 ms): kvcached-pd pull and push.
+#   PART e (~8 min): probe_cuda_ipc.py (does a process mapping another's memory through
+#          CUDA IPC survive its death?) and, where present, ipc_selftest.py (the same of
+#          kvcached-pd's own IPC layer), then D killed 1 s into a 128-request load, then P
+#          killed likewise (tiny; pull and push): the survivor serves, its memory returns.
+# Every staged pair must name its wire in D's log ("kvcached-pd: staged peer ... wire ipc";
+# --expect-wire ipc), with no IPC->NIXL fallback, except staged-nixl (forced nixl). A mode
+# whose servers do not start is reported by its harness with the reason (the other modes
+# go on); every run's exit status is printed as "rc NAME=N" and in OUT/PART.log.
+# Minutes are estimated from the one-GPU sessions of 2026-11-24 (instances start in
+# 45-120 s when 5-7 start at once on one GPU; the vanilla and NIXL-wire pairs move KV at
+# ~0.4 GB/s there, so their kvbig runs dominate parts a and b).
+#
+# Environment: KVPD_GPUS="P D" (default "0 0": both on GPU 0), TINY_MODEL=/tmp/tiny,
+#   KVBIG_MODEL=/tmp/kvbig, KVCACHED_PD_FROM=checkout (this checkout first on PYTHONPATH)
+#   | installed, COLO_DRY_RUN=1 (print each harness command instead of running it: the
+#   offline tests check every part's arguments with the harnesses' own parsers).
+# OUT gets: commit.txt, PART.log, install.log (when the install ran), and per run
+# PART-RUN.tar.gz (its whole tree, logs included) with RUN-summary.txt (part e's probes:
+# e-probe.tar.gz, their JSON also printed to e.log). At most 8 files.
+set -uo pipefail
+USAGE="usage: run_colocated_on_host.sh OUT a|b|c|d|e"
+OUT=${1:?$USAGE}
+PART=${2:?$USAGE}
+case "$PART" in a|b|c|d|e) ;; *) echo "unknown part '$PART'; $USAGE" >&2; exit 2 ;; esac
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+DRY=${COLO_DRY_RUN:-0}
+TINY=${TINY_MODEL:-/tmp/tiny}
+KVBIG=${KVBIG_MODEL:-/tmp/kvbig}
+export PYTHONUNBUFFERED=1
+if [ "${KVCACHED_PD_FROM:-checkout}" = checkout ]; then
+  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
+mkdir -p "$OUT"
+W=/tmp/kvpd-colo-$PART-$(date +%H%M%S)
+[ "$DRY" = 1 ] || mkdir -p "$W"
+[ "$DRY" = 1 ] || exec > >(tee -a "$OUT/$PART.log") 2>&1
+T0=$(date +%s)
+BUDGET=560  # the part's seconds: the host kills a command at 600
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+read -r P_GPU D_GPU <<< "${KVPD_GPUS:-0 0}"
+GPU_ARGS=(--prefill-gpu "$P_GPU" --decode-gpu "$D_GPU")
+
+run() {  # run a harness, or with COLO_DRY_RUN=1 print it
+  if [ "$DRY" = 1 ]; then printf 'DRY:'; printf ' %q' "$@"; echo; return 0; fi
+  "$@"
+}
+traffic() {  # traffic NAME BUDGET_S pd_load-options...: one pd_load run, packed into $W/NAME
+  local name=$1 budget=$2
+  shift 2
+  run env TRAFFIC_BUDGET_S="$budget" bash "$HERE/traffic.sh" "$W/$name" "$@"
+  echo "rc $name=$?"
+}
+
+if [ "$DRY" != 1 ]; then
+  echo "run_colocated_on_host part $PART: $(date '+%F %T') P on GPU $P_GPU, D on GPU $D_GPU," \
+    "PYTHONPATH=${PYTHONPATH:-}"
+  if ! python3 -c "import vllm, kvcached.integration.vllm.interfaces, kvcached_pd" 2>/dev/null; then
+    bash "$HERE/gpu_host/install_on_host.sh" > "$OUT/install.log" 2>&1 || {
+      tail -20 "$OUT/install.log"; exit 1; }
+    tail -3 "$OUT/install.log"
+  fi
+  git -C "$REPO" log -1 --format='commit %H %s' 2>/dev/null | tee "$OUT/commit.txt"
+  git -C "$REPO" status --short 2>/dev/null | head -20 >> "$OUT/commit.txt"
+  nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader || true
+  for spec in "$TINY tiny" "$KVBIG kvbig"; do
+    read -r path preset <<< "$spec"
+    [ -f "$path/config.json" ] || python3 "$HERE/gpu_host/make_test_model.py" "$path" \
+      --preset "$preset" 2>&1 | tail -1
+  done
+fi
+
+case "$PART" in
+a)
+  run timeout --signal=TERM --kill-after=20 $(( $(left) - 5 )) \
+    python3 "$HERE/bench_transfer.py" --out "$W/bench" --model "$KVBIG" \
+    --modes vanilla,staged-contiguous,staged-nixl --sizes 4,94,1024 --staging-mb 0 \
+    --ttft-batch 8 --ttft-prompt-tokens 3000 --deadline-s $(( $(left) - 20 )) "${GPU_ARGS[@]}"
+  echo "rc bench=$?"
+  ;;
+b)
+  traffic kvbig $(( $(left) * 11 / 20 )) --model "$KVBIG" --modes vanilla,kvpd-staged,kvpd-push \
+    --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 --settle-s 20 \
+    --expect-wire ipc "${GPU_ARGS[@]}"
+  traffic tiny $(( $(left) - 25 )) --model "$TINY" --modes vanilla,kvpd-staged,kvpd-push \
+    --push-concurrent --repeats 3 --settle-s 20 --expect-wire ipc "${GPU_ARGS[@]}"
+  ;;
+c)
+  run timeout $(( $(left) - 15 )) bash "$HERE/equivalence.sh" "$W/eq" reference vanilla \
+    staged-contiguous push-contiguous kvcached-pd-staged push mixed-p mixed-d blocksize \
+    negative --model "$TINY" --parallel 2 --push-concurrent --expect-wire ipc \
+    --deadline-s $(( $(left) - 35 )) --extra-serve-args=--enable-prefix-caching \
+    "${GPU_ARGS[@]}" --single-gpu "$P_GPU"
+  echo "rc equivalence=$?"
+  ;;
+d)
+  traffic aborts $(( $(left) - 25 )) --model "$TINY" --modes kvpd-staged,kvpd-push \
+    --push-concurrent --issue-aborts --repeats 5 --expect-wire ipc "${GPU_ARGS[@]}"
+  ;;
+e)
+  [ "$DRY" = 1 ] || mkdir -p "$W/probe"
+  run timeout 150 python3 "$HERE/probe_cuda_ipc.py" --out "$W/probe/probe.json" \
+    --sizes-mib 94,1024
+  echo "rc probe=$?"
+  if [ -f "$HERE/ipc_selftest.py" ]; then  # the same question asked of kvcached-pd's own layer
+    run timeout 150 python3 "$HERE/ipc_selftest.py" --out "$W/probe/selftest.json"
+    echo "rc selftest=$?"
+  fi
+  traffic killd $(( ($(left) - 25) / 2 )) --model "$TINY" --modes kvpd-staged,kvpd-push \
+    --push-concurrent --requests 128 --kill decode --kill-at-s 1 --expect-wire ipc \
+    "${GPU_ARGS[@]}"
+  traffic killp $(( $(left) - 25 )) --model "$TINY" --modes kvpd-staged,kvpd-push \
+    --push-concurrent --requests 128 --kill prefill --kill-at-s 1 --expect-wire ipc \
+    "${GPU_ARGS[@]}"
+  ;;
+esac
+[ "$DRY" = 1 ] && exit 0
+for f in "$W"/probe/*.json; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
+for f in "$W"/*/load-summary.txt "$W"/eq/summary.txt "$W"/bench/summary.txt; do
+  [ -f "$f" ] && cp "$f" "$OUT/$(basename "$(dirname "$f")")-summary.txt"
+done
+for d in "$W"/*/; do  # one archive per run: each stays under the 16 MiB hand-back limit
+  tar czf "$OUT/$PART-$(basename "$d").tar.gz" -C "$W" "$(basename "$d")"
+done
+nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader || true
+ls -la "$OUT"
+echo "part $PART done in $(( $(date +%s) - T0 ))s"
