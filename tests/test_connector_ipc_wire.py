@@ -209,3 +209,20 @@ def _aborted():
     from vllm.v1.request import RequestStatus
 
     return RequestStatus.FINISHED_ABORTED
+
+
+def test_an_idle_peer_is_unmapped_and_mapped_again_at_its_next_request(staged_env, ipc):
+    """A mapping keeps P's staging allocated on the GPU, even once P died (seen on one
+    H100: a killed P's 2 GiB stayed allocated while D held it)."""
+    p = pd.make_engine("p", "kv_producer", seed=19)
+    d = pd.make_engine("d", "kv_consumer", seed=20)
+    prompt = list(range(11, 50))
+    handoff(p, d, "r1", prompt)
+    worker = d.worker._decode_worker
+    wire = wire_of(d)
+    worker.idle_unmap_s = 0.3
+    assert pd.run([p, d], lambda: not worker._peers, timeout_s=5), "the idle peer stayed mapped"
+    assert wire.mapped is None
+    params, p_blocks, d_blocks = handoff(p, d, "r2", prompt)
+    assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+    assert wire_of(d).name == "ipc" and len(ipc.opened) == 2

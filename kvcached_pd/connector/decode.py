@@ -89,6 +89,10 @@ logger = logging.getLogger("kvcached_pd")
 
 PROBE_TIMEOUT_S = 2.0  # how long D waits for a P's claim listener to answer, once per P
 PROBE_RETRY_S = 300.0  # a P found not to answer claims is asked again after this
+# An IPC peer's staging stays mapped (and so allocated on the GPU, even after P died:
+# 2 GiB per P rank on the tiny model) until D drops it: after this long without a
+# request from that peer; its next request maps it again (one handshake, ~ms).
+IDLE_UNMAP_S = 30.0
 
 
 @dataclass
@@ -384,8 +388,10 @@ class DecodeWorker:
     """D's worker half (see the module docstring)."""
 
     def __init__(self, region: StagingRegion, handshake_timeout_s: float = 5.0,
-                 spin_s: float = 0.0, wire_policy: str = "auto") -> None:
+                 spin_s: float = 0.0, wire_policy: str = "auto",
+                 idle_unmap_s: float = IDLE_UNMAP_S) -> None:
         self.region = region
+        self.idle_unmap_s = idle_unmap_s
         self.spin_s = spin_s
         self.wire_policy = wire_policy  # KVCACHED_PD_WIRE (wires.choose_wire)
         self.handshake_timeout_s = handshake_timeout_s
@@ -464,6 +470,7 @@ class DecodeWorker:
             self.finished.add(req_id)
         self._post_queued()
         self._reap()
+        self._unmap_idle_peers()
         finished, self.finished = self.finished, set()
         failed, self.failed = self.failed, set()
         invalid, self.invalid_blocks = self.invalid_blocks, set()
@@ -562,6 +569,25 @@ class DecodeWorker:
                    "wire %s (%s)", handshake.engine_id, handshake.tp_rank,
                    handshake.staging_bytes >> 20, handshake.wire_version, wire.name, wire.why)
         return wire
+
+    def _unmap_idle_peers(self) -> None:
+        """Forget IPC peers unused for ``idle_unmap_s``: their mapping is what keeps a
+        dead P's staging allocated on the GPU."""
+        now = time.monotonic()
+        busy = {id(read.wire) for read in self.inflight.values()}
+        busy |= {id(notify[0]) for *_, notify in self.releasing if notify is not None}
+        for key, future in list(self._peers.items()):
+            if not future.done() or future.exception() is not None:
+                continue
+            wire = future.result()
+            if (wire.name != "ipc" or id(wire) in busy
+                    or now - wire.last_used < self.idle_unmap_s):
+                continue
+            del self._peers[key]
+            wire.close()
+            logger.info("kvcached-pd: unmapped prefill %s rank %d's staging after %.0f s "
+                        "without requests (its next request maps it again)",
+                        wire.handshake.engine_id, wire.handshake.tp_rank, self.idle_unmap_s)
 
     def _fail(self, req_id: str, read: _Read, reason: str) -> None:
         logger.error("kvcached-pd: request %s: staged load failed: %s", req_id, reason)

@@ -28,6 +28,7 @@ A third wire (RDMA across nodes, say) is one more class here and one more branch
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -90,10 +91,16 @@ class IpcWire:
         self.mapped = mapped
         self.why = why
         self.fell_back = False
+        self.last_used = time.monotonic()
 
     def post(self, read: Any) -> None:
         params = read.params
         self.mapped.extent(params.offset, params.nbytes)  # raises when outside P's staging
+        self.last_used = time.monotonic()
+
+    def close(self) -> None:
+        """Drop the mapping (torch closes the IPC handle with the last reference)."""
+        self.mapped = None
 
     def state(self, read: Any) -> str:
         return "DONE"  # nothing in flight: the unpack reads P's memory

@@ -69,7 +69,7 @@ def _make_hook(original):
 def _make_unpack_hook(original):
     @functools.wraps(original)
     def _unpack(self, req_id, read):
-        view = self.region.region(read.extent.offset, read.order.params.nbytes)
+        view = self._source(read)  # D's staging (NIXL wire) or P's mapped staging (IPC)
         view.bitwise_not_()
         logger.warning("kvcached-pd TEST: inverted the %d bytes of request %s's staged extent "
                        "(KVCACHED_PD_TEST_CORRUPT=1)", view.numel(), req_id)
