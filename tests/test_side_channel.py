@@ -400,3 +400,37 @@ def test_sockets_to_dead_targets_are_closed():
         assert client.open_sockets() == 0
     finally:
         client.close()
+
+
+def test_ps_scheduler_enters_each_admitted_request_and_expires_the_board_every_step():
+    """What P's scheduler tells the board: a request is known from its admission (so a
+    claim for a second request of one id is refused before the first is staged), gone
+    when it ends unstaged, and forgotten by P's own step once the lease has passed."""
+    from types import SimpleNamespace
+
+    from kvcached_pd.connector.prefill import PrefillScheduler
+    from kvcached_pd.connector.wire import format_hash
+    from kvcached_pd.transport.format import PackedFormat
+    from kvcached_pd.transport.staging import ExtentAllocator
+
+    fmt = PackedFormat(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
+    board = ClaimBoard(ENGINE, keep_s=30.0)
+    p = PrefillScheduler(fmt=fmt, digest=format_hash(fmt, 0, 2), block_size=16,
+                         allocator=ExtentAllocator(64 << 20, 4096), engine_id=ENGINE,
+                         tp_size=1, lease_s=30.0, host="127.0.0.1", port=1, board=board)
+    try:
+        requests = [SimpleNamespace(request_id=f"same-{i:08x}", num_prompt_tokens=16,
+                                    status="FINISHED_ABORTED") for i in range(2)]
+        assert p.admit(requests[0])
+        assert board.answer(claim("same")).status == "pending"
+        assert p.admit(requests[1])
+        assert board.answer(claim("same")).status == "gone"  # two of one id in flight
+        p.on_finished(requests[0], delay_free=False, params=None)  # ended unstaged
+        p.on_finished(requests[1], delay_free=False, params=None)
+        reply = board.answer(claim("same"))
+        assert reply.status == "gone" and "without packing" in reply.reason
+        assert len(board) == 2
+        p.expire(time.monotonic() + 31)  # P's step (build_connector_meta)
+        assert len(board) == 0
+    finally:
+        board.close()
