@@ -374,7 +374,9 @@ VARIABLES: tuple[Variable, ...] = (
              "(the harness's negative control; `kvcached_pd/testing/`)",
              _parse_bool(KVCACHED_PD_TEST_CORRUPT), "test_corrupt"),
     Variable(KVCACHED_PD_STATE_DIR, "`$TMPDIR/kvcached-pd-$UID`", "where running processes "
-             "publish their registrations for the doctor", _parse_state_dir, "state_dir"),
+             "publish their registrations for the doctor; created mode 0700; one that is not "
+             "this user's own (another owner, a link, writable by others) is neither written "
+             "nor read", _parse_state_dir, "state_dir"),
     Variable(VLLM_KV_CACHE_LAYOUT, "unset (vLLM's)", "vLLM's layout override; `HND`/`LBHNC` "
              "stop startup with kvcached", _parse_vllm_layout, "vllm_kv_cache_layout",
              owner="vLLM"),
