@@ -117,11 +117,11 @@ def check_msgpack_shape(data: bytes, max_depth: int = MAX_MSGPACK_DEPTH) -> None
             raise WireError("truncated msgpack")
         head = view[pos]
         pos += 1
-        items = 0
+        items, container = 0, False
         if head <= 0x7f or head >= 0xe0:
             continue  # fixint
         if 0x80 <= head <= 0x9f:
-            items = (head & 0x0f) * (2 if head <= 0x8f else 1)
+            items, container = (head & 0x0f) * (2 if head <= 0x8f else 1), True
         elif 0xa0 <= head <= 0xbf:
             pos += head & 0x1f
         elif head in _FIXED:
@@ -133,17 +133,17 @@ def check_msgpack_shape(data: bytes, max_depth: int = MAX_MSGPACK_DEPTH) -> None
             size_bytes, per = _CONTAINERS[head]
             if pos + size_bytes > end:
                 raise WireError("truncated msgpack")
-            items = per * int.from_bytes(view[pos:pos + size_bytes], "big")
+            items, container = per * int.from_bytes(view[pos:pos + size_bytes], "big"), True
             pos += size_bytes
         else:
             raise WireError(f"byte 0x{head:02x} at {pos - 1} starts no msgpack object")
         if pos > end:
             raise WireError("truncated msgpack")
+        if container and len(remaining) > max_depth:  # this container's depth
+            raise WireError(f"msgpack nested deeper than {max_depth}")
+        if items > end - pos:
+            raise WireError(f"a msgpack container of {items} items in {end - pos} bytes")
         if items:
-            if items > end - pos:
-                raise WireError(f"a msgpack container of {items} items in {end - pos} bytes")
-            if len(remaining) > max_depth:
-                raise WireError(f"msgpack nested deeper than {max_depth}")
             remaining.append(items)
     if pos != end:
         raise WireError(f"{end - pos} bytes after the msgpack object")
