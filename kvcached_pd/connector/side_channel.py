@@ -176,13 +176,11 @@ class ClaimBoard:
 
     def withdraw(self, req_id: str, reason: str) -> None:
         """The request's extent is released (or never was): a claim for it from now on
-        is answered "gone"."""
+        is answered "gone". A request P never admitted (every request P finishes comes
+        here, local ones too) is not entered."""
         with self._lock:
             entry = self._entries.get(req_id)
-            if entry is None:
-                entry = _Entry(base_request_id(req_id))
-                self._add(req_id, entry)
-            elif entry.gone is not None:
+            if entry is None or entry.gone is not None:
                 return
             entry.gone, entry.params = reason, None
             self._gone += 1
