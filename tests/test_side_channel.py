@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from kvcached_pd.connector.claim_board import ClaimBoard
 from kvcached_pd.connector.side_channel import (
     CLAIM_HOLD_S,
-    ClaimBoard,
     ClaimClient,
     HandshakeListener,
 )

@@ -12,8 +12,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvcached_pd.connector.claim_board import ClaimBoard
 from kvcached_pd.connector.side_channel import (
-    ClaimBoard,
     HandshakeListener,
     parse_request,
     sign,

@@ -35,11 +35,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcached_pd import config, nixl_kv_guard, vllm_api
 from kvcached_pd.connector.decode import ClaimProbe, DecodeScheduler, DecodeWorker
 from kvcached_pd.connector.prefill import PrefillScheduler, PrefillWorker
+from kvcached_pd.connector.claim_board import ClaimBoard
 from kvcached_pd.connector.records import StepMetadata, WorkerReport
 from kvcached_pd.connector.region import StagingRegion
 from kvcached_pd.connector.side_channel import (
     CLAIM_PORT_OFFSET,
-    ClaimBoard,
     HandshakeListener,
     claim_port,
 )

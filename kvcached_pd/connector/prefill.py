@@ -53,7 +53,7 @@ import torch
 
 from kvcached_pd.connector.records import PackOrder
 from kvcached_pd.connector.region import StagingRegion
-from kvcached_pd.connector.side_channel import ClaimBoard
+from kvcached_pd.connector.claim_board import ClaimBoard
 from kvcached_pd.connector.wire import (
     PARAMS_KEY,
     WIRE_VERSION,
