@@ -40,6 +40,8 @@ KVCACHED_PD_TRACE = "KVCACHED_PD_TRACE"  # log one timestamped line per handoff 
 KVCACHED_PD_TEST_CORRUPT = "KVCACHED_PD_TEST_CORRUPT"  # test-only negative control
 KVCACHED_PD_STATE_DIR = "KVCACHED_PD_STATE_DIR"  # where processes publish registrations
 KVCACHED_PD_SIDE_CHANNEL_PORT = "KVCACHED_PD_SIDE_CHANNEL_PORT"  # P's staged handshake port
+# a file holding the secret P's listener asks D to prove (connector/side_channel.py)
+KVCACHED_PD_SIDE_CHANNEL_SECRET_FILE = "KVCACHED_PD_SIDE_CHANNEL_SECRET_FILE"
 VLLM_KV_CACHE_LAYOUT = "VLLM_KV_CACHE_LAYOUT"  # vLLM's own; head-major values are refused
 
 TRANSPORTS = ("staged", "direct")
@@ -62,6 +64,10 @@ STAGING_ALIGNMENT = 4096
 # latency for at most this much blocking. 0 turns it off.
 DEFAULT_READ_SPIN_US = 1000
 MAX_READ_SPIN_US = 20000
+# A side-channel secret of fewer bytes is refused: 16 random bytes (32 hex digits) are
+# the 128 bits an HMAC key should have; the file is read whole, so it is capped too.
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -189,14 +195,20 @@ def _parse_transport(raw: str | None, env: Mapping[str, str]) -> Parsed:
     return value, None
 
 
+def _ascii_int(text: str, max_digits: int = 9) -> int | None:
+    """``text`` as a non-negative integer, or None. ASCII digits only: ``int`` also
+    reads "١٢" and "1_0" and raises on "²" (which ``str.isdigit`` accepts), and a value
+    has a few digits, not the thousands ``int`` would try."""
+    if not (0 < len(text) <= max_digits and text.isascii() and text.isdigit()):
+        return None
+    return int(text)
+
+
 def _parse_staging_mb(raw: str | None, env: Mapping[str, str]) -> Parsed:
     text = (raw or "").strip()
     if not text:
         return DEFAULT_STAGING_MB, None  # the engine-derived default
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
+    value = _ascii_int(text) or 0
     if value <= 0:
         return DEFAULT_STAGING_MB, (f"{KVCACHED_PD_STAGING_MB}={text!r} must be a positive "
                                     "integer (MiB), or unset for the default size")
@@ -205,11 +217,8 @@ def _parse_staging_mb(raw: str | None, env: Mapping[str, str]) -> Parsed:
 
 def _parse_read_spin(raw: str | None, env: Mapping[str, str]) -> Parsed:
     text = (raw if raw is not None else str(DEFAULT_READ_SPIN_US)).strip()
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_READ_SPIN_US:
+    value = _ascii_int(text)
+    if value is None or not 0 <= value <= MAX_READ_SPIN_US:
         return DEFAULT_READ_SPIN_US, (f"{KVCACHED_PD_READ_SPIN_US}={text!r} must be an integer "
                                       f"from 0 (off) to {MAX_READ_SPIN_US} (microseconds)")
     return value, None
@@ -217,10 +226,33 @@ def _parse_read_spin(raw: str | None, env: Mapping[str, str]) -> Parsed:
 
 def _parse_side_channel_port(raw: str | None, env: Mapping[str, str]) -> Parsed:
     text = (raw or "0").strip()
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
+    value = _ascii_int(text, max_digits=5)
+    if value is None or not 0 <= value <= 65535:
         return 0, (f"{KVCACHED_PD_SIDE_CHANNEL_PORT}={text!r} must be a TCP port number "
                    "(1-65535), or 0 for any free port")
-    return int(text), None
+    return value, None
+
+
+def _parse_side_channel_secret(raw: str | None, env: Mapping[str, str]) -> Parsed:
+    """The secret's bytes (surrounding whitespace stripped), read once, before the model
+    loads, so that a missing or short file stops startup rather than the first handshake."""
+    path = (raw or "").strip()
+    if not path:
+        return None, None
+    name = KVCACHED_PD_SIDE_CHANNEL_SECRET_FILE
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the read
+        return None, f"{name}={path!r} is not a regular file"
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(MAX_SECRET_BYTES + 1).strip()
+    except OSError as exc:
+        return None, f"{name}={path!r} cannot be read: {exc.strerror or exc}"
+    if len(secret) > MAX_SECRET_BYTES:
+        return None, f"{name}={path!r} holds more than {MAX_SECRET_BYTES} bytes; is it a secret?"
+    if len(secret) < MIN_SECRET_BYTES:
+        return None, (f"{name}={path!r} holds {len(secret)} bytes; a secret needs at least "
+                      f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32 > FILE`)")
+    return secret, None
 
 
 def _parse_wire(raw: str | None, env: Mapping[str, str]) -> Parsed:
@@ -325,6 +357,14 @@ VARIABLES: tuple[Variable, ...] = (
              "params, so set it only where a firewall needs a fixed port; in push mode a "
              "decode leg sent before P answered finds it only at vLLM's port + 1000",
              _parse_side_channel_port, "side_channel_port"),
+    Variable(KVCACHED_PD_SIDE_CHANNEL_SECRET_FILE, "unset: no authentication", "a file "
+             "holding a shared secret (at least 16 bytes, e.g. `openssl rand -hex 32`; keep it "
+             "mode 0600) for the staged transport's listener: a prefill with it answers only "
+             "handshakes and claims that prove it (HMAC-SHA256), a decode with it proves it; "
+             "give it to every instance, the decode instances first (a prefill without it "
+             "accepts proven requests too). A missing, unreadable or shorter file stops "
+             "startup. See \"Trust model\" below",
+             _parse_side_channel_secret, "side_channel_secret"),
     Variable(KVCACHED_PD_TRACE, "off", "log one `kvcached-pd trace {json}` line per handoff "
              "event (both sides); `experiments/trace_timeline.py LOG_DIR` turns them into "
              "per-stage timelines", _parse_bool(KVCACHED_PD_TRACE), "trace"),
@@ -334,7 +374,9 @@ VARIABLES: tuple[Variable, ...] = (
              "(the harness's negative control; `kvcached_pd/testing/`)",
              _parse_bool(KVCACHED_PD_TEST_CORRUPT), "test_corrupt"),
     Variable(KVCACHED_PD_STATE_DIR, "`$TMPDIR/kvcached-pd-$UID`", "where running processes "
-             "publish their registrations for the doctor", _parse_state_dir, "state_dir"),
+             "publish their registrations for the doctor; created mode 0700; one that is not "
+             "this user's own (another owner, a link, writable by others) is neither written "
+             "nor read", _parse_state_dir, "state_dir"),
     Variable(VLLM_KV_CACHE_LAYOUT, "unset (vLLM's)", "vLLM's layout override; `HND`/`LBHNC` "
              "stop startup with kvcached", _parse_vllm_layout, "vllm_kv_cache_layout",
              owner="vLLM"),
@@ -359,6 +401,7 @@ class Settings:
     staging_mb: int | None = DEFAULT_STAGING_MB
     read_spin_us: int = DEFAULT_READ_SPIN_US
     side_channel_port: int = 0
+    side_channel_secret: bytes | None = field(default=None, repr=False)  # never printed
     pack_kernel: str = "auto"
     wire: str = "auto"
     trace: bool = False

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
+import stat
+import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
 from kvcached_pd import config
 
+logger = logging.getLogger("kvcached_pd")
 
 
 @dataclass(frozen=True)
@@ -151,24 +155,64 @@ def state_dir() -> str:
     return config.state_dir()
 
 
-def _publish(snapshot: dict[str, Any]) -> None:
-    """Write this process's snapshot where ``kvcached-pd doctor`` looks; best effort."""
+def own_state_dir(create: bool) -> str | None:
+    """The state dir when it is this user's own: a real directory (not a link), owned by
+    this user, writable by no one else. Created 0700 when missing and ``create``. None
+    otherwise, with a warning when it exists and is not: its default name under the
+    shared temp dir is predictable, so another local user may have made it first, to
+    read or plant snapshots."""
+    directory = state_dir()
+    if create:
+        os.makedirs(os.path.dirname(directory) or ".", exist_ok=True)
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass
     try:
-        directory = state_dir()
-        os.makedirs(directory, exist_ok=True)
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        global _warned
+        if not _warned:
+            _warned = True
+            logger.warning(
+                "kvcached-pd: state dir %s is not this user's own (a link, another owner, or "
+                "writable by others); registrations are not published there. Remove it or "
+                "set %s to a directory of your own", directory, config.KVCACHED_PD_STATE_DIR)
+        return None
+    return directory
+
+
+_warned = False
+
+
+def _publish(snapshot: dict[str, Any]) -> None:
+    """Write this process's snapshot where ``kvcached-pd doctor`` looks; best effort.
+    Written to a fresh temporary name (``mkstemp``: O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600)
+    and renamed over the snapshot, so a link planted at either name is never followed."""
+    try:
+        directory = own_state_dir(create=True)
+        if directory is None:
+            return
         path = os.path.join(directory, f"{snapshot['pid']}.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(snapshot, f, indent=1)
-        os.replace(tmp, path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{snapshot['pid']}.", suffix=".tmp",
+                                   dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(snapshot, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
     except OSError:
         pass
 
 
 def live_snapshots() -> Iterable[dict[str, Any]]:
     """Snapshots published by processes that are still running."""
-    directory = state_dir()
-    if not os.path.isdir(directory):
+    directory = own_state_dir(create=False)
+    if directory is None:
         return []
     out = []
     for name in sorted(os.listdir(directory)):

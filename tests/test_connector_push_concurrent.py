@@ -236,3 +236,32 @@ def test_a_plain_vllm_prefill_keeps_vllms_push_for_concurrent_legs(staged_env, s
     assert "no kvcached-pd claim listener" in refused[engine_id(p)]
     assert not d.worker._decode_worker._peers, "D fetched a staged handshake from plain P"
     assert settled(p, d)
+
+
+def test_with_a_shared_secret_only_a_decode_that_proves_it_is_served(staged_env, shut_down,
+                                                                      monkeypatch, tmp_path):
+    """KVCACHED_PD_SIDE_CHANNEL_SECRET_FILE on P and D: the concurrent leg is probed,
+    claimed and READ as without it. A D without the secret is refused by P's listener
+    and keeps vLLM's push (exact KV, per-block WRITE), saying why."""
+    from kvcached_pd import config
+
+    secret = tmp_path / "secret"
+    secret.write_text("ab" * 32)
+    monkeypatch.setenv(config.KVCACHED_PD_SIDE_CHANNEL_SECRET_FILE, str(secret))
+    config.reset_settings_for_tests()
+    p = engine(shut_down, "p", "kv_producer", 53)
+    d = engine(shut_down, "d", "kv_consumer", 54)
+    assert p.connector._listener._secret == b"ab" * 32
+    writes = watch_per_block_writes(p)
+    want, got = both_legs(p, d, "s1", PROMPT)
+    assert_same_kv(want, got, len(PROMPT))
+    assert saw_done(p, d, "s1"), "P never got D's DONE: the staged READ did not run"
+    assert not writes and not d.connector._decode.refused_peers
+    monkeypatch.delenv(config.KVCACHED_PD_SIDE_CHANNEL_SECRET_FILE)
+    config.reset_settings_for_tests()
+    d2 = engine(shut_down, "d2", "kv_consumer", 55)
+    want, got = both_legs(p, d2, "s2", PROMPT)
+    assert_same_kv(want, got, len(PROMPT))
+    assert "requires the shared secret" in d2.connector._decode.refused_peers[engine_id(p)]
+    assert writes, "the refused decode leg did not take vLLM's push"
+    assert settled(p, d) and settled(p, d2)

@@ -1,9 +1,16 @@
-"""The geometry registry keeps engines and groups apart; the doctor reports and exits."""
+"""The geometry registry keeps engines and groups apart; its state dir is this user's own
+and its files are written without following links; the doctor reports and exits."""
 
 from __future__ import annotations
 
+import json
+import os
+import stat
+
+import pytest
 import torch
 
+from kvcached_pd import registry
 from kvcached_pd.patches.kvcached_alloc import record_allocation
 from kvcached_pd.registry import REGISTRY, GeometryRegistry
 from tests.support import subproc
@@ -61,3 +68,60 @@ def test_doctor_deep_dry_runs_the_hooks():
                        env=subproc.clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("hook points found") >= 3
+
+
+def _snapshot_files(directory):
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_the_state_file_is_written_without_following_a_planted_link(tmp_path, monkeypatch):
+    """The snapshot went through ``<pid>.json.tmp``, a name another local user could
+    plant as a link to a file of ours (which was then overwritten)."""
+    state = tmp_path / "state"
+    monkeypatch.setenv("KVCACHED_PD_STATE_DIR", str(state))
+    state.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    pid = os.getpid()
+    (state / f"{pid}.json.tmp").symlink_to(victim)
+    (state / f"{pid}.json").symlink_to(victim)
+    registry._publish({"pid": pid, "geometries": [], "registrations": []})
+    assert victim.read_text() == "precious"
+    written = state / f"{pid}.json"
+    assert not written.is_symlink() and json.loads(written.read_text())["pid"] == pid
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("how", ["another owner", "writable by all", "a link"])
+def test_a_state_dir_that_is_not_this_users_own_is_neither_written_nor_read(
+        tmp_path, monkeypatch, caplog, how):
+    """The default state dir has a predictable name in the shared temp dir: another local
+    user could create it first and read, or plant, the snapshots the doctor shows."""
+    state = tmp_path / "state"
+    monkeypatch.setenv("KVCACHED_PD_STATE_DIR", str(state))
+    monkeypatch.setattr(registry, "_warned", False)
+    if how == "a link":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        state.symlink_to(tmp_path / "elsewhere")
+    else:
+        state.mkdir(mode=0o700)
+        if how == "writable by all":
+            state.chmod(0o777)
+        elif os.getuid() == 0:
+            os.chown(state, 65534, 65534)
+        else:
+            monkeypatch.setattr(os, "getuid", lambda: os.stat(state).st_uid + 1)
+    planted = {"pid": os.getpid(), "geometries": [], "registrations": ["planted"]}
+    (state / f"{os.getpid()}.json").write_text(json.dumps(planted))
+    registry._publish({"pid": os.getpid(), "geometries": [], "registrations": []})
+    assert json.loads((state / f"{os.getpid()}.json").read_text()) == planted  # not written
+    assert list(registry.live_snapshots()) == []  # nor read
+    assert "not this user's own" in caplog.text
+
+
+def test_a_missing_state_dir_is_created_private(tmp_path, monkeypatch):
+    state = tmp_path / "deeper" / "state"
+    monkeypatch.setenv("KVCACHED_PD_STATE_DIR", str(state))
+    registry._publish({"pid": os.getpid(), "geometries": [], "registrations": []})
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert [s["pid"] for s in registry.live_snapshots()] == [os.getpid()]

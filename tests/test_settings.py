@@ -128,3 +128,34 @@ def test_kvcached_switches_read_exactly_as_kvcached_reads_them():
     by_case = {tuple(r[:3]): r[3] for r in results}
     assert by_case[("yes", "1", None)][0] is False  # ENABLE_KVCACHED=yes is off to kvcached
     assert by_case[(None, None, "1")][2] is False  # KVCACHED_CONTIGUOUS_LAYOUT=1 is false
+
+
+@pytest.mark.parametrize("name", ["KVCACHED_PD_SIDE_CHANNEL_PORT", "KVCACHED_PD_STAGING_MB",
+                                  "KVCACHED_PD_READ_SPIN_US"])
+@pytest.mark.parametrize("raw", ["²", "١٢", "１２", "1_0", "9" * 5000, "+5", "-0"],
+                         ids=["superscript", "arabic-indic", "fullwidth", "underscore",
+                              "5000 digits", "plus", "minus zero"])
+def test_a_number_setting_takes_ascii_digits_only(name, raw):
+    """``str.isdigit`` accepts "²", which ``int`` then refuses: the side-channel port
+    raised ValueError instead of a settings problem; ``int`` also reads other scripts'
+    digits and underscores as numbers."""
+    s = config.read_settings(KNOWN, {name: raw})
+    assert len(s.problems) == 1 and s.problems[0].startswith(f"{name}=")
+
+
+def test_the_side_channel_secret_is_read_from_its_file_and_never_shown(tmp_path):
+    name = config.KVCACHED_PD_SIDE_CHANNEL_SECRET_FILE
+    assert config.read_settings(KNOWN, {}).side_channel_secret is None
+    secret = tmp_path / "secret"
+    secret.write_text("  " + "ab" * 16 + "\n")
+    s = config.read_settings(KNOWN, {name: str(secret)})
+    assert s.side_channel_secret == b"ab" * 16 and not s.problems
+    assert ("ab" * 16) not in repr(s)
+    for content, problem in (("short", "holds 5 bytes"), ("x" * 5000, "more than 4096")):
+        secret.write_text(content)
+        s = config.read_settings(KNOWN, {name: str(secret)})
+        assert s.side_channel_secret is None and len(s.problems) == 1
+        assert problem in s.problems[0] and s.problems[0].startswith(f"{name}=")
+    for path, problem in ((tmp_path / "missing", "cannot be read"), (tmp_path, "not a regular")):
+        s = config.read_settings(KNOWN, {name: str(path)})
+        assert len(s.problems) == 1 and problem in s.problems[0], s.problems

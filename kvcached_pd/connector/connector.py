@@ -35,11 +35,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcached_pd import config, nixl_kv_guard, serving, vllm_api
 from kvcached_pd.connector.decode import ClaimProbe, DecodeScheduler, DecodeWorker
 from kvcached_pd.connector.prefill import PrefillScheduler, PrefillWorker
+from kvcached_pd.connector.claim_board import ClaimBoard
 from kvcached_pd.connector.records import StepMetadata, WorkerReport
 from kvcached_pd.connector.region import StagingRegion
 from kvcached_pd.connector.side_channel import (
     CLAIM_PORT_OFFSET,
-    ClaimBoard,
     HandshakeListener,
     claim_port,
 )
@@ -130,6 +130,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         digest = format_hash(fmt, 0, fmt.num_kv_heads)
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        secret = self._settings.side_channel_secret
         if plan.prefill_bytes:
             self._prefill = PrefillScheduler(
                 fmt=fmt, digest=digest, block_size=block_size,
@@ -140,7 +141,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
             self._decode = DecodeScheduler(
                 digest=digest, block_size=block_size, capacity_bytes=plan.decode_bytes,
                 tp_size=tp, push=self._push, lease_s=vllm_api.kv_lease_seconds(vllm_config),
-                fmt=fmt, probe=ClaimProbe(digest, tp) if self._push else None)
+                fmt=fmt, probe=ClaimProbe(digest, tp, secret=secret) if self._push else None)
 
     # ========================================================== scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
@@ -219,10 +220,12 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
             return
         host = vllm_api.side_channel_host()
         board = None
+        secret = self._settings.side_channel_secret
         port = self._settings.side_channel_port or 0
         if self._push:
             # a decode leg sent before P answered claims its params here (side_channel)
-            board = ClaimBoard(self._engine_id, keep_s=self._prefill.lease_s)
+            board = ClaimBoard(self._engine_id, keep_s=self._prefill.lease_s,
+                               readers=self._prefill.tp_size)
             derived = claim_port(vllm_api.side_channel_port(self._vllm_config))
             if not port:
                 port = derived
@@ -234,7 +237,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                     config.KVCACHED_PD_SIDE_CHANNEL_PORT, port, CLAIM_PORT_OFFSET, derived,
                     config.KVCACHED_PD_SIDE_CHANNEL_PORT)
         try:
-            self._listener = HandshakeListener(host, port, staged, board)
+            self._listener = HandshakeListener(host, port, staged, board, secret=secret)
         except Exception as exc:  # noqa: BLE001 - zmq.ZMQError: the port is taken
             if self._settings.side_channel_port:
                 raise
@@ -244,7 +247,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                 "leg sent before this prefill answered cannot find it and takes vLLM's "
                 "per-block push (give this instance another VLLM_NIXL_SIDE_CHANNEL_PORT)",
                 port, CLAIM_PORT_OFFSET, exc)
-            self._listener = HandshakeListener(host, 0, staged, board)
+            self._listener = HandshakeListener(host, 0, staged, board, secret=secret)
         self._prefill.host, self._prefill.port = host, self._listener.port
         self._prefill.board = board
         logger.info("kvcached-pd: staged handshake listener on %s:%d for %d rank(s)%s", host,
@@ -284,7 +287,8 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         if plan.decode_bytes:
             self._decode_worker = DecodeWorker(self._region,
                                                spin_s=self._settings.read_spin_us / 1e6,
-                                               wire_policy=self._serving.wire)
+                                               wire_policy=self._serving.wire,
+                                               secret=self._settings.side_channel_secret)
         region = self._region
         logger.info(
             "kvcached-pd: staged transport ready (%s mode, inner %s): %d MiB staging (%s; "

@@ -93,6 +93,28 @@ PROBE_RETRY_S = 300.0  # a P found not to answer claims is asked again after thi
 # 2 GiB per P rank on the tiny model) until D drops it: after this long without a
 # request from that peer; its next request maps it again (one handshake, ~ms).
 IDLE_UNMAP_S = 30.0
+# Probes run at once at most; each takes up to PROBE_TIMEOUT_S on a dead target, so
+# requests naming dead or forged targets cannot queue a real P's probe behind theirs:
+# with every worker busy a new target is answered "no" (vLLM's push) and asked again by
+# its next request, uncached.
+PROBE_WORKERS = 8
+# Peers (engine id, host, port) D keeps a verdict or a handshake for. Requests choose
+# them, so the maps are bounded: the oldest entry goes first.
+MAX_PEERS = 1024
+
+
+def _peer_key(params: Any) -> tuple[str, str, int]:
+    """What a handshake or a verdict is cached under: the engine id and where it was
+    asked, so a request naming a real engine id with another host pins nothing for it."""
+    return (str(params.engine_id), str(params.host), int(params.port))
+
+
+def _bound(cache: dict, limit: int | None = None) -> None:
+    """Drop ``cache``'s oldest entries (dicts keep insertion order) beyond ``limit``
+    (:data:`MAX_PEERS`)."""
+    limit = MAX_PEERS if limit is None else limit
+    while len(cache) > limit:
+        del cache[next(iter(cache))]
 
 
 @dataclass
@@ -111,24 +133,35 @@ class ClaimProbe:
     background (vLLM holds the request back meanwhile)."""
 
     def __init__(self, digest: str, tp_size: int, timeout_s: float = PROBE_TIMEOUT_S,
-                 retry_s: float = PROBE_RETRY_S) -> None:
+                 retry_s: float = PROBE_RETRY_S, secret: bytes | None = None,
+                 workers: int = PROBE_WORKERS) -> None:
         self.digest = digest
         self.tp_size = tp_size
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcached-pd-probe")
-        self._probes: dict[str, tuple[Future, float]] = {}  # engine id -> (future, started)
+        self.secret = secret
+        self.workers = workers
+        self._pool = ThreadPoolExecutor(max_workers=workers,
+                                        thread_name_prefix="kvcached-pd-probe")
+        # (engine id, host, port) -> (future, started)
+        self._probes: dict[tuple[str, str, int], tuple[Future, float]] = {}
 
     def verdict(self, engine_id: str, host: str, port: int) -> tuple[str, str]:
         """("yes" | "no" | "wait", reason for "no")."""
         now = time.monotonic()
-        probe = self._probes.get(engine_id)
+        key = (str(engine_id), str(host), int(port))
+        probe = self._probes.get(key)
         if probe is not None and probe[0].done() and probe[0].exception() is not None \
                 and now - probe[1] > self.retry_s:
             probe = None
         if probe is None:
+            if sum(not p[0].done() for p in self._probes.values()) >= self.workers:
+                return "no", (f"{self.workers} kvcached-pd claim listeners are being asked "
+                              "already")
             probe = (self._pool.submit(self._ask, engine_id, host, port), now)
-            self._probes[engine_id] = probe
+            self._probes.pop(key, None)
+            self._probes[key] = probe
+            _bound(self._probes)
         future = probe[0]
         if not future.done():
             return "wait", ""
@@ -138,8 +171,9 @@ class ClaimProbe:
 
     def _ask(self, engine_id: str, host: str, port: int) -> None:
         try:
-            handshake = RankHandshake.decode(fetch_handshake(host, port, 0, self.timeout_s))
-        except (TimeoutError, ConnectionError) as exc:
+            handshake = RankHandshake.decode(fetch_handshake(host, port, 0, self.timeout_s,
+                                                             self.secret))
+        except (TimeoutError, ConnectionError, WireError) as exc:
             raise RuntimeError(f"no kvcached-pd claim listener answered at {host}:{port} "
                                f"({exc})") from exc
         if handshake.engine_id != engine_id:
@@ -367,7 +401,9 @@ class DecodeScheduler:
     def _refuse(self, engine_id: str, reason: str) -> None:
         self.samples.setdefault("direct_fallbacks", []).append(1)
         if self.refused_peers.get(engine_id) != reason:
+            self.refused_peers.pop(engine_id, None)
             self.refused_peers[engine_id] = reason
+            _bound(self.refused_peers)
             logger.warning("kvcached-pd: requests from prefill %s take vLLM's own NIXL path: "
                            "%s", engine_id, reason)
 
@@ -389,13 +425,15 @@ class DecodeWorker:
 
     def __init__(self, region: StagingRegion, handshake_timeout_s: float = 5.0,
                  spin_s: float = 0.0, wire_policy: str = "auto",
-                 idle_unmap_s: float = IDLE_UNMAP_S) -> None:
+                 idle_unmap_s: float = IDLE_UNMAP_S, secret: bytes | None = None) -> None:
         self.region = region
         self.idle_unmap_s = idle_unmap_s
         self.spin_s = spin_s
         self.wire_policy = wire_policy  # KVCACHED_PD_WIRE (wires.choose_wire)
         self.handshake_timeout_s = handshake_timeout_s
-        self._peers: dict[tuple[str, int], Future] = {}  # (engine, P rank) -> its wire
+        self.secret = secret  # proves this D to P's listener (side_channel.sign)
+        # (engine, host, port, P rank) -> that peer rank's wire
+        self._peers: dict[tuple[str, str, int, int], Future] = {}
         self._counted: set[int] = set()  # wires whose IPC fallback was counted
         # IPC loads reported finished while their unpack may still read P's staging, and
         # those whose unpack has run since (DONE sent): the scheduler's hand-off waits
@@ -423,7 +461,7 @@ class DecodeWorker:
                 self._peer(order.params)
             else:
                 if self._claims is None:
-                    self._claims = ClaimClient(self.handshake_timeout_s)
+                    self._claims = ClaimClient(self.handshake_timeout_s, self.secret)
                 target = order.claim
                 self._claims.submit(req_id, target.host, target.port,
                                     Claim(CLAIM_WIRE_VERSION, target.key, target.engine_id))
@@ -548,19 +586,28 @@ class DecodeWorker:
         return None
 
     def _peer(self, params: StagedParams) -> Future:
-        key = (params.engine_id, self.region.tp_rank)
+        key = (*_peer_key(params), self.region.tp_rank)
         with self._lock:
             future = self._peers.get(key)
             if future is None or (future.done() and future.exception() is not None):
                 future = self._pool.submit(self._handshake, params)
+                self._peers.pop(key, None)
                 self._peers[key] = future
+                if len(self._peers) > MAX_PEERS:
+                    # failed handshakes only: a loaded peer stays in the NIXL agent
+                    for old in [k for k, f in self._peers.items()
+                                if f.done() and f.exception() is not None][:1]:
+                        del self._peers[old]
         return future
 
     def _handshake(self, params: StagedParams):
         """The peer rank's wire (:func:`~kvcached_pd.connector.wires.choose_wire`)."""
         data = fetch_handshake(params.host, params.port, self.region.tp_rank,
-                               self.handshake_timeout_s)
+                               self.handshake_timeout_s, self.secret)
         handshake = RankHandshake.decode(data)
+        if handshake.engine_id != params.engine_id:
+            raise WireError(f"{params.host}:{params.port} is prefill {handshake.engine_id}, "
+                            f"not {params.engine_id}")
         handshake.check_compatible(self.region.fmt, self.region.digest)
         name = self.region.agent.add_peer(handshake)
         wire = choose_wire(self.wire_policy, self.region, name, handshake)

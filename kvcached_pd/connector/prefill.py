@@ -53,13 +53,12 @@ import torch
 
 from kvcached_pd.connector.records import PackOrder
 from kvcached_pd.connector.region import StagingRegion
-from kvcached_pd.connector.side_channel import ClaimBoard
+from kvcached_pd.connector.claim_board import ClaimBoard
 from kvcached_pd.connector.wire import (
     PARAMS_KEY,
     WIRE_VERSION,
     Done,
     StagedParams,
-    base_request_id,
 )
 from kvcached_pd.transport.cuda_ipc import NUM_PACK_EVENTS
 from kvcached_pd.transport.format import PackedFormat
@@ -106,6 +105,8 @@ class PrefillScheduler:
         req_id = request.request_id
         if req_id in self.staged:
             return True
+        if self.board is not None:
+            self.board.expect(req_id)  # a claim for its id waits for it (side_channel)
         nbytes = self.extent_bytes(request)
         extent = self.allocator.alloc(nbytes, req_id)
         if extent is None:
@@ -158,6 +159,8 @@ class PrefillScheduler:
         self.requests.pop(req_id, None)
         entry = self.staged.get(req_id)
         if entry is None:
+            if self.board is not None:
+                self.board.withdraw(req_id, f"prefill {req_id} was not staged")
             return
         if entry.order is None or not delay_free or not params or not self.port:
             # aborted before its prompt completed, or no remote D
@@ -174,7 +177,7 @@ class PrefillScheduler:
         entry.finished_at = time.monotonic()
         params[PARAMS_KEY] = entry.params.to_params()
         if self.board is not None:
-            self.board.publish(base_request_id(req_id), params[PARAMS_KEY])
+            self.board.publish(req_id, params[PARAMS_KEY])
         trace("p_finished", req_id, bytes=entry.extent.nbytes)
 
     def on_output(self, done: Iterable[tuple[str, int]], finished_sending: Iterable[str]) -> None:
@@ -198,6 +201,8 @@ class PrefillScheduler:
                                "extent within the %.0f s lease; freeing it", req_id,
                                entry.extent.nbytes >> 20, self.lease_s)
                 self.release(req_id, f"P's {self.lease_s:.0f} s lease ran out")
+        if self.board is not None:
+            self.board.expire(now)
 
     # ----------------------------------------------------------------- helpers
     def extent_bytes(self, request: Any) -> int:
@@ -209,7 +214,7 @@ class PrefillScheduler:
         self.requests.pop(req_id, None)
         entry = self.staged.pop(req_id, None)
         if entry is not None and self.board is not None:
-            self.board.withdraw(base_request_id(req_id), reason)
+            self.board.withdraw(req_id, reason)
         if entry is not None:
             self.allocator.free(entry.extent)
             self._usage_changed()

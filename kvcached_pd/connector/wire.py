@@ -70,6 +70,14 @@ class WireError(ValueError):
     """A peer sent something this build cannot use (reason in the message)."""
 
 
+# The deepest msgpack a record may hold: a record is a map (1) whose ``dict[str, Any]``
+# fields (a handshake's packed format, a claim reply's params) are flat maps (2) of
+# scalars; 8 leaves room for an optional nested field. msgspec decodes an ``Any`` field
+# recursively, so 100k nested arrays raised RecursionError there instead of a
+# DecodeError; the depth is checked first, without recursion.
+MAX_MSGPACK_DEPTH = 8
+
+
 class _Msgpack:
     """A record that crosses P's side channel as msgpack; ``decode`` names it in errors."""
 
@@ -80,10 +88,71 @@ class _Msgpack:
 
     @classmethod
     def decode(cls, data: bytes):
+        """The record in ``data``; :class:`WireError`, and nothing else, for anything a
+        peer can send that is not one."""
         try:
+            check_msgpack_shape(data)
             return msgspec.msgpack.decode(data, type=cls)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except WireError as exc:
             raise WireError(f"undecodable kvcached-pd {cls.WHAT}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a peer's bytes never raise anything else
+            raise WireError(f"undecodable kvcached-pd {cls.WHAT}: {exc}") from exc
+
+
+# msgpack's header bytes: (first, last) -> (kind, fixed length or size-field bytes)
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8,
+          0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8, 0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+_SIZED = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xc7: (1, 1), 0xc8: (2, 1),
+          0xc9: (4, 1), 0xd9: (1, 0), 0xda: (2, 0), 0xdb: (4, 0)}  # (size bytes, type byte)
+_CONTAINERS = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}  # (size, items per)
+
+
+def check_msgpack_shape(data: bytes, max_depth: int = MAX_MSGPACK_DEPTH) -> None:
+    """Raise :class:`WireError` unless ``data`` is exactly one msgpack object nested at
+    most ``max_depth`` deep, each container declaring no more items than bytes remain.
+    One pass over the headers, no recursion: what msgspec is then handed is bounded."""
+    view = memoryview(data)
+    end, pos = len(view), 0
+    remaining = [1]  # items still expected at each open level
+    while remaining:
+        if remaining[-1] == 0:
+            remaining.pop()
+            continue
+        remaining[-1] -= 1
+        if pos >= end:
+            raise WireError("truncated msgpack")
+        head = view[pos]
+        pos += 1
+        items, container = 0, False
+        if head <= 0x7f or head >= 0xe0:
+            continue  # fixint
+        if 0x80 <= head <= 0x9f:
+            items, container = (head & 0x0f) * (2 if head <= 0x8f else 1), True
+        elif 0xa0 <= head <= 0xbf:
+            pos += head & 0x1f
+        elif head in _FIXED:
+            pos += _FIXED[head]
+        elif head in _SIZED:
+            size_bytes, type_byte = _SIZED[head]
+            pos += size_bytes + type_byte + int.from_bytes(view[pos:pos + size_bytes], "big")
+        elif head in _CONTAINERS:
+            size_bytes, per = _CONTAINERS[head]
+            if pos + size_bytes > end:
+                raise WireError("truncated msgpack")
+            items, container = per * int.from_bytes(view[pos:pos + size_bytes], "big"), True
+            pos += size_bytes
+        else:
+            raise WireError(f"byte 0x{head:02x} at {pos - 1} starts no msgpack object")
+        if pos > end:
+            raise WireError("truncated msgpack")
+        if container and len(remaining) > max_depth:  # this container's depth
+            raise WireError(f"msgpack nested deeper than {max_depth}")
+        if items > end - pos:
+            raise WireError(f"a msgpack container of {items} items in {end - pos} bytes")
+        if items:
+            remaining.append(items)
+    if pos != end:
+        raise WireError(f"{end - pos} bytes after the msgpack object")
 
 
 def format_hash(fmt: PackedFormat, head_start: int, head_count: int) -> str:

@@ -1,0 +1,153 @@
+"""D's view of its peers when requests name them (issue 21): the handshake cache and
+the claim probe are keyed by (engine id, host, port), probes to dead or forged targets
+cannot hold back a real P's verdict, and what requests can grow is bounded. Real NIXL
+agents on host memory, real listeners on loopback."""
+
+from __future__ import annotations
+
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcached_pd.connector import decode
+from kvcached_pd.connector.decode import ClaimProbe, DecodeScheduler, DecodeWorker
+from kvcached_pd.connector.region import StagingAgent, StagingRegion
+from kvcached_pd.connector.side_channel import HandshakeListener
+from kvcached_pd.connector.wire import StagedParams, WireError, format_hash
+from kvcached_pd.transport.format import PackedFormat
+
+FMT = PackedFormat(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
+DIGEST = format_hash(FMT, 0, FMT.num_kv_heads)
+
+
+def region() -> StagingRegion:
+    """A rank-0 staging region on host memory with its own NIXL agent (what the
+    handshake and the probe use of it; no KV cache behind it)."""
+    agent = StagingAgent(torch.zeros(1 << 20, dtype=torch.uint8))
+    return StagingRegion(fmt=FMT, plan=None, buffer=None, agent=agent, layers=None,
+                         kernel_block_size=16, ratio=1, tp_rank=0, tp_size=1, head_start=0,
+                         head_count=FMT.num_kv_heads)
+
+
+def params(engine_id: str, port: int) -> StagedParams:
+    return StagedParams(wire_version=2, engine_id=engine_id, request_id="r-0a0b0c0d",
+                        host="127.0.0.1", port=port, tp_size=1, offset=0, nbytes=4096,
+                        n_tok_slots=16, num_tokens=16, block_size=16, lease_s=30.0,
+                        format_digest=DIGEST)
+
+
+def dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def peers():
+    """Two prefill regions serving handshakes that both say engine "E", and a third
+    saying "F"; closed after the test."""
+    regions, listeners = [], []
+
+    def serve(engine_id: str) -> tuple[StagingRegion, int]:
+        r = region()
+        listener = HandshakeListener("127.0.0.1", 0, {0: r.handshake(engine_id).encode()})
+        regions.append(r)
+        listeners.append(listener)
+        return r, listener.port
+    yield serve
+    for listener in listeners:
+        listener.close()
+    for r in regions:
+        r.agent.close()
+
+
+def test_the_handshake_cache_is_keyed_by_engine_host_and_port(peers):
+    """Keyed by engine id alone, the first request naming engine E pinned whatever
+    agent its host served for every later request naming E."""
+    forged, forged_port = peers("E")
+    real, real_port = peers("E")
+    other, other_port = peers("F")
+    d = DecodeWorker(region())
+    try:
+        _, first = d._peer(params("E", forged_port)).result(timeout=10)
+        assert first.agent_name == forged.agent.name
+        _, second = d._peer(params("E", real_port)).result(timeout=10)
+        assert second.agent_name == real.agent.name
+        # a listener of another engine is no handshake for E
+        with pytest.raises(WireError, match="is prefill F, not E"):
+            d._peer(params("E", other_port)).result(timeout=10)
+    finally:
+        d.close()
+        d.region.agent.close()
+
+
+def test_a_no_for_a_forged_host_does_not_stick_to_the_real_engine(peers):
+    """One forged host for a real engine id cached "no" for that id for 300 s."""
+    _, port = peers("E")
+    probe = ClaimProbe(DIGEST, 1, timeout_s=0.3)
+    try:
+        assert until_decided(probe, "E", dead_port())[0] == "no"
+        assert until_decided(probe, "E", port) == ("yes", "")
+    finally:
+        probe.close()
+
+
+def until_decided(probe: ClaimProbe, engine_id: str, port: int) -> tuple[str, str]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        verdict = probe.verdict(engine_id, "127.0.0.1", port)
+        if verdict[0] != "wait":
+            return verdict
+        time.sleep(0.005)
+    raise AssertionError("no verdict")
+
+
+def test_probes_of_dead_targets_do_not_hold_back_a_real_ps_verdict(peers):
+    """One probe worker, 2 s per dead target: 5 forged requests delayed the real P's
+    verdict by 10 s. Now the real P is answered while they are still being asked."""
+    _, port = peers("E")
+    probe = ClaimProbe(DIGEST, 1, timeout_s=3.0)
+    try:
+        dead = [dead_port() for _ in range(5)]
+        for i, p in enumerate(dead):
+            assert probe.verdict(f"forged-{i}", "127.0.0.1", p)[0] == "wait"
+        assert until_decided(probe, "E", port) == ("yes", "")
+        assert "wait" in [probe.verdict(f"forged-{i}", "127.0.0.1", p)[0]
+                          for i, p in enumerate(dead)]
+    finally:
+        probe.close()
+
+
+def test_with_every_probe_worker_busy_a_new_target_is_not_held_back_nor_cached(peers):
+    _, port = peers("E")
+    probe = ClaimProbe(DIGEST, 1, timeout_s=1.0, workers=2)
+    try:
+        dead = [dead_port() for _ in range(2)]
+        for i, p in enumerate(dead):
+            assert probe.verdict(f"forged-{i}", "127.0.0.1", p)[0] == "wait"
+        verdict, reason = probe.verdict("E", "127.0.0.1", port)
+        assert verdict == "no" and "being asked already" in reason
+        for i, p in enumerate(dead):
+            assert until_decided(probe, f"forged-{i}", p)[0] == "no"
+        # a worker is free: the real P is asked, not answered from a cached "no"
+        assert until_decided(probe, "E", port) == ("yes", "")
+    finally:
+        probe.close()
+
+
+def test_what_requests_name_is_bounded(monkeypatch):
+    """refused_peers (and the probe and handshake caches) grew with every engine id a
+    request named."""
+    monkeypatch.setattr(decode, "MAX_PEERS", 64)
+    scheduler = DecodeScheduler(digest=DIGEST, block_size=16, capacity_bytes=1 << 20,
+                                tp_size=1)
+    for i in range(130):
+        request = SimpleNamespace(request_id=f"r{i}", prompt_token_ids=[1] * 16,
+                                  kv_transfer_params={"do_remote_prefill": True,
+                                                      "remote_engine_id": f"e{i}"})
+        assert scheduler.match(request, 0) is None  # no staged params: vLLM's own path
+    assert len(scheduler.refused_peers) == 64
+    assert "e129" in scheduler.refused_peers and "e0" not in scheduler.refused_peers
