@@ -251,14 +251,19 @@ class PrefillWorker:
     _released: set[str] = field(default_factory=set)  # DONE seen, not reported yet
     _sent_early: dict[str, float] = field(default_factory=dict)  # reported by us
     _tokens: dict[str, str] = field(default_factory=dict)  # packed, not wiped: token hex
+    # wiped: (token hex, when); a DONE slower than vLLM's own notification still counts
+    _retired: dict[str, tuple[str, float]] = field(default_factory=dict)
     _refused: int = 0  # DONE-like notifications refused since the last warning
     _refused_logged: float = -math.inf
 
     def wipe(self, wipes: list[Wipe]) -> None:
         """Zero the tags of extents P's scheduler freed (stream-ordered before this
         step's packs, which may reuse their bytes); their tokens free nothing more."""
+        now = time.monotonic()
         for wipe in wipes:
-            self._tokens.pop(wipe.req_id, None)
+            token = self._tokens.pop(wipe.req_id, None)
+            if token is not None:
+                self._retired[wipe.req_id] = (token, now)
             wipe_tag(self.region.region(wipe.offset, wipe.nbytes))
 
     def pack(self, packs: dict[str, PackOrder]) -> None:
@@ -339,6 +344,8 @@ class PrefillWorker:
         for held in (self._packed, self._sent_early):
             for req_id in [r for r, t in held.items() if now - t > self.horizon_s]:
                 del held[req_id]  # aborted after its pack: vLLM never held its blocks
+        for req_id in [r for r, (_, t) in self._retired.items() if now - t > self.horizon_s]:
+            del self._retired[req_id]
         return sending
 
     def reported_early(self, req_id: str) -> bool:
@@ -353,10 +360,11 @@ class PrefillWorker:
                 continue
             if record is None:
                 continue
-            token = self._tokens.get(record.request_id)
-            if token is None or not hmac.compare_digest(token, record.token):
+            token = self._tokens.get(record.request_id) or \
+                self._retired.get(record.request_id, ("",))[0]
+            if not token or not hmac.compare_digest(token, record.token):
                 self._refuse(f"a DONE for request {record.request_id[:200]!r} without its "
-                             "token (P freed it already, or the sender never held its params)")
+                             "token (its sender never held the request's params)")
                 continue
             self._done.add((record.request_id, record.rank))
             if self._packed.pop(record.request_id, None) is not None:
