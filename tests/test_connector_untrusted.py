@@ -176,3 +176,43 @@ def test_the_corruption_control_still_yields_wrong_kv_not_a_refused_load(staged_
     assert not failed and d_blocks is not None
     for want, got in zip(p.tokens(p_blocks, len(PROMPT)), d.tokens(d_blocks, len(PROMPT))):
         assert torch.equal(got.view(torch.int16), ~want.view(torch.int16))
+
+
+def test_a_freed_extents_params_open_nothing_when_a_later_request_lies_in_its_bytes(
+        staged_env, caplog):
+    """Replayed params of a request whose extent P freed, once a later, shorter request
+    was packed into the start of those bytes (its own tag lies before the old one): P
+    wiped the old tag when it freed the extent, so D's check fails and the later
+    request's KV is never unpacked into the replaying request."""
+    caplog.set_level(logging.ERROR, logger="kvcached_pd")
+    p = pd.make_engine("p", "kv_producer", seed=39)
+    d = pd.make_engine("d", "kv_consumer", seed=40)
+    long_prompt = list(range(1, 81))
+    old, _ = prefill(p, "old", long_prompt)
+    d_blocks, failed = decode(p, d, "d-old", long_prompt, old)
+    assert not failed and d_blocks is not None
+    assert pd.run([p, d], lambda: "old" not in p.connector._prefill.staged, timeout_s=10)
+    later, _ = prefill(p, "later", list(range(201, 221)))
+    assert later[PARAMS_KEY]["offset"] == old[PARAMS_KEY]["offset"]
+    assert later[PARAMS_KEY]["nbytes"] < old[PARAMS_KEY]["nbytes"]
+    d_blocks, failed = decode(p, d, "d-replay", long_prompt, old)
+    assert failed and d_blocks is None, "D unpacked a later request's KV"
+    assert "another request's token (or none)" in caplog.text
+
+
+def test_an_extent_outside_ps_staging_is_never_read(staged_env, caplog):
+    """Params whose extent runs past the staging P advertised in its handshake (a READ
+    there would read whatever P's memory holds, if the transport let it): D fails the
+    request's load before posting any READ, and serves the next request."""
+    caplog.set_level(logging.ERROR, logger="kvcached_pd")
+    p = pd.make_engine("p", "kv_producer", seed=41)
+    d = pd.make_engine("d", "kv_consumer", seed=42)
+    params, _ = prefill(p, "o1", PROMPT)
+    staging = p.worker._region.agent.nbytes
+    beyond = forged(params, offset=staging - params[PARAMS_KEY]["nbytes"] + 4096)
+    d_blocks, failed = decode(p, d, "d-o1", PROMPT, beyond)
+    assert failed and d_blocks is None
+    assert f"outside the {staging} bytes of staging" in caplog.text
+    params, p_blocks = prefill(p, "o2", OTHER)
+    d_blocks, failed = decode(p, d, "d-o2", OTHER, params)
+    assert not failed and same_kv(p, p_blocks, d, d_blocks)
