@@ -74,22 +74,24 @@ def forged(params, **fields):
     return out
 
 
-@pytest.mark.parametrize("field,value", [
-    ("offset", float("inf")),
-    ("nbytes", 0),
-    ("num_tokens", len(PROMPT) + 16),
-], ids=["offset-infinity", "nbytes-zero", "num-tokens-beyond-prompt"])
-def test_a_forged_params_field_costs_only_its_request_the_staged_path(staged_env, field,
-                                                                      value):
-    """D's scheduler refuses the forged field (once per P in its log) and the request
-    takes vLLM's own path, which reads P's blocks: its KV is still exact. Both engines
-    serve the next request through the staged path, byte for byte."""
+FORGED_FIELDS = [("offset", float("inf"), "offset=inf is not an integer"),
+                 ("nbytes", 0, "must be positive"),
+                 ("num_tokens", len(PROMPT) + 16, "fill 64 slots, not 48")]
+
+
+def test_a_forged_params_field_costs_only_its_request_the_staged_path(staged_env):
+    """Each forged field (offset=Infinity, nbytes=0, num_tokens beyond the prompt) is
+    refused by D's scheduler (logged once per P and reason) and that request takes
+    vLLM's own path, which reads P's blocks: its KV is still exact. Both engines serve
+    the next request through the staged path, byte for byte."""
     p = pd.make_engine("p", "kv_producer", seed=31)
     d = pd.make_engine("d", "kv_consumer", seed=32)
-    params, p_blocks = prefill(p, "f1", PROMPT)
-    d_blocks, failed = decode(p, d, "d-f1", PROMPT, forged(params, **{field: value}))
-    assert not failed and same_kv(p, p_blocks, d, d_blocks)
-    assert d.connector._decode.refused_peers, "the forged params were not refused"
+    for field, value, reason in FORGED_FIELDS:
+        params, p_blocks = prefill(p, f"f-{field}", PROMPT)
+        d_blocks, failed = decode(p, d, f"d-f-{field}", PROMPT,
+                                  forged(params, **{field: value}))
+        assert not failed and same_kv(p, p_blocks, d, d_blocks), field
+        assert reason in d.connector._decode.refused_peers[params["remote_engine_id"]]
     assert not staged_loads(d)
     params, p_blocks = prefill(p, "f2", OTHER)
     d_blocks, failed = decode(p, d, "d-f2", OTHER, params)
@@ -98,29 +100,28 @@ def test_a_forged_params_field_costs_only_its_request_the_staged_path(staged_env
     assert saw_done(p, d, "f2")
 
 
-@pytest.mark.parametrize("fields", [("offset",), ("offset", "request_id")],
-                         ids=["victims-offset", "victims-offset-and-id"])
-def test_another_requests_offset_reads_nothing_and_frees_nothing(staged_env, fields, caplog):
+def test_another_requests_offset_reads_nothing_and_frees_nothing(staged_env, caplog):
     """A client copies its own params and points them at another request's extent
-    (its offset, and its request id for the DONE): the tag of the bytes read is the
-    victim's, not the attacker's token, so D fails the attacker's load without
-    unpacking them; the DONE its READ carries holds the attacker's token, so P frees
-    neither the victim's extent nor its blocks, and the victim's own decode then
-    receives its exact KV."""
+    (its offset; then its offset and its request id, for the DONE): the tag of the
+    bytes read is the victim's, not the attacker's token, so D fails the attacker's
+    load without unpacking them; the DONE its READ carries holds the attacker's token,
+    so P frees neither the victim's extent nor its blocks, and the victim's own decode
+    then receives its exact KV."""
     caplog.set_level(logging.ERROR, logger="kvcached_pd")
     p = pd.make_engine("p", "kv_producer", seed=33)
     d = pd.make_engine("d", "kv_consumer", seed=34)
     victim, victim_blocks = prefill(p, "victim", PROMPT)
-    mine, _ = prefill(p, "attacker", OTHER)
-    theft = forged(mine, **{f: victim[PARAMS_KEY][f] for f in fields})
-    assert theft[PARAMS_KEY]["offset"] != mine[PARAMS_KEY]["offset"]
-    d_blocks, failed = decode(p, d, "d-attacker", OTHER, theft)
-    assert failed and d_blocks is None, "D unpacked another request's extent"
-    assert "another request's token" in caplog.text
-    assert not staged_loads(d)
-    pd.run([p, d], lambda: False, timeout_s=1)  # the attacker's DONE reaches P
-    assert "victim" in p.connector._prefill.staged, "P freed the victim's extent"
-    assert "victim" in p.sched.requests, "P freed the victim's blocks"
+    for n, fields in enumerate([("offset",), ("offset", "request_id")]):
+        mine, _ = prefill(p, f"attacker{n}", OTHER)
+        theft = forged(mine, **{f: victim[PARAMS_KEY][f] for f in fields})
+        assert theft[PARAMS_KEY]["offset"] != mine[PARAMS_KEY]["offset"]
+        d_blocks, failed = decode(p, d, f"d-attacker{n}", OTHER, theft)
+        assert failed and d_blocks is None, f"D unpacked another request's extent ({fields})"
+        assert "another request's token" in caplog.text
+        assert not staged_loads(d)
+        pd.run([p, d], lambda: False, timeout_s=1)  # the attacker's DONE reaches P
+        assert "victim" in p.connector._prefill.staged, f"P freed the victim's extent ({fields})"
+        assert "victim" in p.sched.requests, f"P freed the victim's blocks ({fields})"
     d_blocks, failed = decode(p, d, "d-victim", PROMPT, victim)
     assert not failed and same_kv(p, victim_blocks, d, d_blocks)
     assert saw_done(p, d, "victim")
@@ -148,6 +149,7 @@ def test_forged_notifications_neither_stop_p_nor_free_anything(staged_env, caplo
         rogue.send_notif(peer, message)
     assert pd.run([p, d], lambda: "ignored" in caplog.text, timeout_s=10), \
         "P's staging agent never saw the forged notifications"
+    del rogue  # its UCX progress thread would poll on for the rest of the process
     pd.run([p, d], lambda: False, timeout_s=1)
     assert "n1" in p.connector._prefill.staged and "n1" in p.sched.requests
     assert not p.done_seen
@@ -216,3 +218,61 @@ def test_an_extent_outside_ps_staging_is_never_read(staged_env, caplog):
     params, p_blocks = prefill(p, "o2", OTHER)
     d_blocks, failed = decode(p, d, "d-o2", OTHER, params)
     assert not failed and same_kv(p, p_blocks, d, d_blocks)
+
+
+@pytest.mark.parametrize("port", [float("inf"), float("nan"), 1 << 70, 65000, "5600", True],
+                         ids=["inf", "nan", "huge", "claim-port-past-65535", "string", "bool"])
+def test_a_push_decode_leg_with_a_forged_remote_port_is_left_to_vllm(port):
+    """Push mode, a decode leg sent before P answered: D claims its params from P's
+    listener at vLLM's ``remote_port`` + 1000. A port no listener can have (vLLM's JSON
+    reads ``Infinity``) leaves the request to vLLM's push, refused once per P; nothing
+    raises in vLLM's scheduler hook."""
+    from kvcached_pd.connector.decode import DecodeScheduler
+
+    fmt = pd_format()
+    decode = DecodeScheduler(digest="0" * 16, block_size=16, capacity_bytes=4 << 20,
+                             tp_size=1, push=True, fmt=fmt)
+    request = pd.decode_request("leg", PROMPT, {
+        "do_remote_prefill": True, "remote_engine_id": "p-1", "remote_host": "127.0.0.1",
+        "remote_port": port})
+    assert decode.match(request, 0) is None
+    assert "no valid remote_host/remote_port" in decode.refused_peers["p-1"]
+
+
+def pd_format():
+    from kvcached_pd.transport.format import PackedFormat
+
+    return PackedFormat.for_cache(pd.LAYERS, pd.HEADS, pd.HEAD_DIM, torch.float16)
+
+
+CLAIM_CHANGES = [{"offset": float("inf")}, {"lease_s": float("nan")}, {"age_s": float("inf")},
+                 {"age_s": float("nan")}, {"age_s": -1.0}]
+
+
+def test_a_claim_reply_carrying_non_finite_numbers_fails_only_that_load(staged_env):
+    """P's listener answers a claim with the request's params and their age; a listener
+    the request pointed D at may answer anything. Non-finite or negative numbers
+    (offset, lease, age) fail that request's load with the reason; nothing raises in
+    D's worker."""
+    from kvcached_pd.connector.decode import _Read
+    from kvcached_pd.connector.records import ClaimTarget, RecvOrder
+    from kvcached_pd.connector.wire import WIRE_VERSION, ClaimReply, StagedParams
+
+    d = pd.make_engine("d", "kv_consumer", seed=43)
+    worker = d.worker._decode_worker
+    fmt = worker.region.fmt
+    params = StagedParams(
+        wire_version=WIRE_VERSION, engine_id="p-1", request_id="r", host="127.0.0.1",
+        port=5600, tp_size=1, offset=0, nbytes=fmt.extent_bytes(48), n_tok_slots=48,
+        num_tokens=len(PROMPT), block_size=16, lease_s=30.0,
+        format_digest=worker.region.digest, token="ab" * 16).to_params()
+    order = RecvOrder(params=None, block_ids=(0, 1, 2), first_token=0,
+                      num_tokens=len(PROMPT), deadline=0.0,
+                      claim=ClaimTarget("127.0.0.1", 6600, "p-1", "r"))
+    good = ClaimReply("r", "ready", params=params, age_s=0.5)
+    assert worker._claimed(_Read(order), good, 0.0) is None  # the unchanged reply
+    for change in CLAIM_CHANGES:
+        forged_params = {**params, **{k: v for k, v in change.items() if k != "age_s"}}
+        bad = ClaimReply("r", "ready", params=forged_params, age_s=change.get("age_s", 0.5))
+        reason = worker._claimed(_Read(order), bad, 0.0)
+        assert reason and "p-1" in reason, change
