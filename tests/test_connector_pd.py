@@ -493,6 +493,9 @@ def test_a_staged_read_nixl_refuses_fails_the_load_and_frees_the_extent(staged_e
                   timeout_s=10), "D kept the request or its extent"
 
 
+_DROP = object()  # the field is absent
+
+
 @pytest.mark.parametrize("change,reason", [
     ({"format_digest": "0" * 16}, "its packed format"),
     ({"wire_version": 99}, "wire version 99"),
@@ -500,26 +503,49 @@ def test_a_staged_read_nixl_refuses_fails_the_load_and_frees_the_extent(staged_e
     ({"nbytes": 1 << 40}, "exceed the"),
     ({"offset": "far"}, "malformed kvcached_pd"),
     ({"frees_on_done": "yes"}, "malformed kvcached_pd"),
+    # what a client may write into kv_transfer_params (vLLM's JSON reads Infinity/NaN)
+    ({"offset": float("inf")}, "offset=inf is not an integer"),
+    ({"offset": -1}, "offset not negative"),
+    ({"offset": 1 << 64}, "outside"),
+    ({"nbytes": 0}, "must be positive"),
+    ({"nbytes": 24576}, "differ from what its n_tok_slots pack into"),
+    ({"num_tokens": 40}, "fill 48 slots, not 16"),
+    ({"num_tokens": 11}, "differ from its prompt's length"),
+    ({"num_tokens": 9}, "differ from its prompt's length"),
+    ({"block_size": 0}, "block_size 0"),
+    ({"lease_s": float("nan")}, "is not finite"),
+    ({"lease_s": 0}, "lease_s must be in"),
+    ({"lease_s": 1e300}, "lease_s must be in"),
+    ({"port": 70000}, "is not a TCP port"),
+    ({"request_id": "\ud800"}, "request_id is not valid UTF-8"),
+    ({"token": "AB" * 16}, "token is not 32 lowercase hex digits"),
+    ({"wire_version": 2, "token": _DROP}, "lacks ['token']"),
 ], ids=["format", "wire-version", "tp-size", "larger-than-staging", "malformed",
-        "malformed-flag"])
+        "malformed-flag", "offset-inf", "offset-negative", "offset-huge", "nbytes-zero",
+        "nbytes-not-packed-size", "slots-mismatch", "num-tokens-beyond-prompt",
+        "num-tokens-short-of-prompt", "block-size-zero", "lease-nan", "lease-zero",
+        "lease-absurd", "port", "request-id-surrogate", "token-case", "older-wire"])
 def test_decode_leaves_a_request_it_cannot_stage_to_the_inner_connector(change, reason):
     """What D's scheduler checks before it takes a request onto the staged path (P's
     params, no handshake yet): a P of another wire version, packed format or TP size,
     an extent larger than D's whole staging, or malformed params go to vLLM's own
-    path, counted as a fallback, with the reason logged once per P."""
+    path, counted as a fallback, with the reason logged once per P. Every field is the
+    client's to forge: each malformed or inconsistent one is refused here, for that
+    request only (vLLM's own path reads P's blocks as vLLM does), never raised."""
     import torch
 
     from kvcached_pd.connector.decode import DecodeScheduler
-    from kvcached_pd.connector.wire import StagedParams, format_hash
+    from kvcached_pd.connector.wire import WIRE_VERSION, StagedParams, format_hash
     from kvcached_pd.transport.format import PackedFormat
 
     fmt = PackedFormat.for_cache(pd.LAYERS, pd.HEADS, pd.HEAD_DIM, torch.float16)
     decode = DecodeScheduler(digest=format_hash(fmt, 0, pd.HEADS), block_size=16,
-                             capacity_bytes=4 << 20, tp_size=1)
+                             capacity_bytes=4 << 20, tp_size=1, fmt=fmt)
     p_params = StagedParams(
-        wire_version=1, engine_id="p-1", request_id="x", host="127.0.0.1", port=1,
-        tp_size=1, offset=0, nbytes=4096, n_tok_slots=16, num_tokens=10, block_size=16,
-        lease_s=30.0, format_digest=decode.digest).to_params()
+        wire_version=WIRE_VERSION, engine_id="p-1", request_id="x", host="127.0.0.1",
+        port=1, tp_size=1, offset=0, nbytes=fmt.extent_bytes(16), n_tok_slots=16,
+        num_tokens=10, block_size=16, lease_s=30.0, format_digest=decode.digest,
+        token="ab" * 16).to_params()
     good = pd.decode_request("good", list(range(10)), {
         "do_remote_prefill": True, "remote_engine_id": "p-1", PARAMS_KEY: p_params})
     assert decode.staged_params(good) is not None  # the unchanged params are staged
@@ -528,9 +554,9 @@ def test_decode_leaves_a_request_it_cannot_stage_to_the_inner_connector(change, 
         "do_remote_prefill": True, "remote_engine_id": "p-1",
         PARAMS_KEY: {k: v for k, v in p_params.items() if k != "frees_on_done"}})
     assert decode.staged_params(older).frees_on_done is False
+    forged = {k: v for k, v in {**p_params, **change}.items() if v is not _DROP}
     bad = pd.decode_request("bad", list(range(10)), {
-        "do_remote_prefill": True, "remote_engine_id": "p-1",
-        PARAMS_KEY: {**p_params, **change}})
+        "do_remote_prefill": True, "remote_engine_id": "p-1", PARAMS_KEY: forged})
     assert decode.staged_params(bad) is None
     assert reason in decode.refused_peers["p-1"]
     assert decode.take_samples() == {"direct_fallbacks": [1]}

@@ -10,14 +10,14 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from kvcached_pd.connector import decode
 from kvcached_pd.connector.decode import ClaimProbe, DecodeScheduler, DecodeWorker
 from kvcached_pd.connector.region import StagingAgent, StagingRegion
 from kvcached_pd.connector.side_channel import HandshakeListener
-from kvcached_pd.connector.wire import StagedParams, WireError, format_hash
+from kvcached_pd.connector.wire import WIRE_VERSION, StagedParams, WireError, format_hash
 from kvcached_pd.transport.format import PackedFormat
+from kvcached_pd.transport.staging import StagingBuffer
 
 FMT = PackedFormat(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
 DIGEST = format_hash(FMT, 0, FMT.num_kv_heads)
@@ -26,17 +26,18 @@ DIGEST = format_hash(FMT, 0, FMT.num_kv_heads)
 def region() -> StagingRegion:
     """A rank-0 staging region on host memory with its own NIXL agent (what the
     handshake and the probe use of it; no KV cache behind it)."""
-    agent = StagingAgent(torch.zeros(1 << 20, dtype=torch.uint8))
-    return StagingRegion(fmt=FMT, plan=None, buffer=None, agent=agent, layers=None,
+    buffer = StagingBuffer(1 << 20, "cpu")
+    agent = StagingAgent(buffer.tensor)
+    return StagingRegion(fmt=FMT, plan=None, buffer=buffer, agent=agent, layers=None,
                          kernel_block_size=16, ratio=1, tp_rank=0, tp_size=1, head_start=0,
                          head_count=FMT.num_kv_heads)
 
 
 def params(engine_id: str, port: int) -> StagedParams:
-    return StagedParams(wire_version=2, engine_id=engine_id, request_id="r-0a0b0c0d",
-                        host="127.0.0.1", port=port, tp_size=1, offset=0, nbytes=4096,
-                        n_tok_slots=16, num_tokens=16, block_size=16, lease_s=30.0,
-                        format_digest=DIGEST)
+    return StagedParams(wire_version=WIRE_VERSION, engine_id=engine_id,
+                        request_id="r-0a0b0c0d", host="127.0.0.1", port=port, tp_size=1,
+                        offset=0, nbytes=4096, n_tok_slots=16, num_tokens=16, block_size=16,
+                        lease_s=30.0, format_digest=DIGEST, token="0" * 32)
 
 
 def dead_port() -> int:
@@ -72,9 +73,9 @@ def test_the_handshake_cache_is_keyed_by_engine_host_and_port(peers):
     other, other_port = peers("F")
     d = DecodeWorker(region())
     try:
-        _, first = d._peer(params("E", forged_port)).result(timeout=10)
+        first = d._peer(params("E", forged_port)).result(timeout=10).handshake
         assert first.agent_name == forged.agent.name
-        _, second = d._peer(params("E", real_port)).result(timeout=10)
+        second = d._peer(params("E", real_port)).result(timeout=10).handshake
         assert second.agent_name == real.agent.name
         # a listener of another engine is no handshake for E
         with pytest.raises(WireError, match="is prefill F, not E"):

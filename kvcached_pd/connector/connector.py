@@ -167,6 +167,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         if self._prefill is not None:
             meta.packs = self._prefill.on_step(scheduler_output, vllm_api.yield_req_data)
             self._prefill.expire()
+            meta.wipes = self._prefill.take_wipes()
         if self._decode is not None:
             meta.recvs, meta.cancelled = self._decode.take_orders()
         return meta
@@ -316,6 +317,9 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._inner.start_load_kv(forward_context, **kwargs)
+        if self._prefill_worker is not None and self.has_connector_metadata():
+            # every step, with a forward or without (vLLM skips wait_for_save then)
+            self._prefill_worker.wipe(self._get_connector_metadata().wipes)
         if self._decode_worker is not None:
             meta = self._get_connector_metadata()
             self._decode_worker.start(meta.recvs, meta.cancelled)

@@ -37,6 +37,16 @@ P (a plain vLLM, an older wire, another format, nothing listening within
 after :data:`PROBE_RETRY_S`. Before this, every concurrent leg took that per-block push
 into D's kvcached memory: the 0.5 GB/s path.
 
+Everything in a request's ``kv_transfer_params`` is the client's to write (vLLM hands
+them over as the proxy sent them): the scheduler refuses malformed or inconsistent
+staged params (:meth:`~kvcached_pd.connector.wire.StagedParams.from_params`, and the
+prompt's length and the packed size here), and the request takes vLLM's own path, which
+reads P's blocks as vLLM does: nothing is lost. What only the worker can check (the
+extent within P's advertised staging, and the tag of the bytes read: :mod:`.tokens`)
+fails that request's load instead, as a failed NIXL READ does (vLLM's
+``kv_load_failure_policy``: the request fails, or D recomputes it): never an exception
+in an engine hook, never bytes unpacked that are not the request's.
+
 Worker half (:class:`DecodeWorker`): ``start`` (``start_load_kv``) fetches P's rank
 handshake once per peer (checking wire version and format once), reserves an extent
 of D's staging (waiting for room when it is full, never falling back to the 0.5 GB/s
@@ -68,10 +78,13 @@ import torch
 from kvcached_pd.connector.records import ClaimTarget, RecvOrder
 from kvcached_pd.connector.region import StagingRegion
 from kvcached_pd.connector.side_channel import ClaimClient, claim_port, fetch_handshake
+from kvcached_pd.connector.tokens import extent_check
 from kvcached_pd.connector.wires import choose_wire
 from kvcached_pd.connector.wire import (
     CLAIM_WIRE_VERSION,
     COMPATIBLE_WIRE_VERSIONS,
+    MAX_HOST_BYTES,
+    MAX_LEASE_S,
     PARAMS_KEY,
     Claim,
     ClaimReply,
@@ -232,6 +245,12 @@ class DecodeScheduler:
         elif staged.nbytes > self.capacity_bytes:
             reason = (f"request {request.request_id}'s {staged.nbytes >> 20} MiB exceed the "
                       f"{self.capacity_bytes >> 20} MiB decode staging")
+        elif staged.num_tokens != len(request.prompt_token_ids or ()):
+            # fewer: D would take prompt tokens as loaded that no extent holds (wrong
+            # text); more: the extent holds KV of tokens this request does not have
+            reason = "a request's staged num_tokens differ from its prompt's length"
+        elif self.fmt is not None and staged.nbytes != self.fmt.extent_bytes(staged.n_tok_slots):
+            reason = "a request's staged nbytes differ from what its n_tok_slots pack into"
         if reason is not None:
             self._refuse(staged.engine_id, reason)
             return None
@@ -269,10 +288,11 @@ class DecodeScheduler:
         engine_id = str(params.get("remote_engine_id"))
         prefix = ("the proxy sent the decode leg before P answered (push mode with "
                   "concurrent legs) and ")
-        try:
-            host, port = str(params["remote_host"]), claim_port(int(params["remote_port"]))
-        except (KeyError, TypeError, ValueError):
-            return None, prefix + "its kv_transfer_params name no remote_host/remote_port"
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not (isinstance(host, str) and 0 < len(host) <= MAX_HOST_BYTES
+                and type(port) is int and 1 <= claim_port(port) <= 65535):
+            return None, prefix + "its kv_transfer_params name no valid remote_host/remote_port"
+        port = claim_port(port)
         if self.probe is None or self.fmt is None:
             return None, prefix + "this instance claims no extents"
         n_tokens = len(request.prompt_token_ids or ())
@@ -452,6 +472,9 @@ class DecodeWorker:
         self.releasing: list[tuple[Any, Any, Extent | None, Any]] = []
         self.samples: dict[str, list[float]] = {}
         self._claims: ClaimClient | None = None  # started by the first claim
+        # reads each extent's tag (.tokens) without waiting for the compute stream
+        self._tag_stream = (torch.cuda.Stream(region.buffer.tensor.device)
+                            if region.buffer.tensor.is_cuda else None)
 
     # ------------------------------------------------------------- vLLM's hooks
     def start(self, orders: dict[str, RecvOrder], cancelled: set[str]) -> None:
@@ -580,6 +603,10 @@ class DecodeWorker:
         if params.nbytes > self.region.buffer.allocator.capacity_bytes:
             return (f"its {params.nbytes >> 20} MiB extent exceeds the "
                     f"{self.region.buffer.allocator.capacity_bytes >> 20} MiB decode staging")
+        age_s = reply.age_s
+        if isinstance(age_s, bool) or not isinstance(age_s, (int, float)) or \
+                not 0 <= age_s <= MAX_LEASE_S:
+            return f"prefill {target.engine_id} answered its claim with an invalid age"
         read.params = params
         # P's lease began when P finished it, age_s ago: D never READs after half of it
         read.deadline = now + params.lease_s / 2 - reply.age_s
@@ -636,13 +663,15 @@ class DecodeWorker:
                         "without requests (its next request maps it again)",
                         wire.handshake.engine_id, wire.handshake.tp_rank, self.idle_unmap_s)
 
-    def _fail(self, req_id: str, read: _Read, reason: str) -> None:
+    def _fail(self, req_id: str, read: _Read, reason: str, after: Any = None) -> None:
+        """The request's load failed (its blocks reported invalid); its extent is freed
+        once ``after`` (a CUDA event, or None: at once) has passed."""
         logger.error("kvcached-pd: request %s: staged load failed: %s", req_id, reason)
         self.invalid_blocks.update(read.order.block_ids)
         self.finished.add(req_id)
         self.failed.add(req_id)
         if read.extent is not None:
-            self.releasing.append((None, None, read.extent, None))
+            self.releasing.append((None, after, read.extent, None))
 
     def _post_queued(self) -> None:
         """Post queued READs in arrival order while there is room."""
@@ -673,6 +702,11 @@ class DecodeWorker:
             if wire.fell_back and id(wire) not in self._counted:
                 self._counted.add(id(wire))
                 self.samples.setdefault("wire_fallbacks", []).append(1)
+            problem = self._extent_problem(params, wire.handshake)
+            if problem is not None:
+                del self.queued[req_id]
+                self._fail(req_id, read, problem)
+                continue
             if wire.uses_staging and read.extent is None:
                 read.extent = self.region.buffer.alloc(params.nbytes, req_id)
                 if read.extent is None:
@@ -710,11 +744,46 @@ class DecodeWorker:
         """The extent's bytes the unpack reads: D's staging (NIXL) or P's (IPC)."""
         return read.wire.source(read)
 
+    def _extent_problem(self, params: StagedParams, handshake: RankHandshake) -> str | None:
+        """Why this request's params cannot name an extent of this peer, or None: the
+        packed size of its token slots, within the staging P advertised (NIXL would
+        refuse a READ outside P's registration; one inside another request's extent is
+        caught by the tag, :mod:`.tokens`)."""
+        if params.nbytes != self.region.fmt.extent_bytes(params.n_tok_slots):
+            return (f"its params say {params.nbytes} bytes, {params.n_tok_slots} token slots "
+                    f"pack into {self.region.fmt.extent_bytes(params.n_tok_slots)}")
+        if params.offset + params.nbytes > handshake.staging_bytes:
+            return (f"its extent [{params.offset}, {params.offset + params.nbytes}) lies "
+                    f"outside the {handshake.staging_bytes} bytes of staging prefill "
+                    f"{params.engine_id} advertised")
+        return None
+
     def _unpack(self, req_id: str, read: _Read) -> None:
+        """Check the extent's tag, then scatter it; a tag that is not the request's, or
+        an unpack that raises, fails the request's load (the bytes are never used)."""
+        params = read.params
+        try:
+            src = self._source(read)
+            if self._tag_stream is not None:
+                read.wire.before_unpack(read, self._tag_stream)  # IPC: after P's pack
+            reason = extent_check(src, params.token, params.offset, self._tag_stream)
+            if reason is None:
+                self._scatter(req_id, read, src)
+                return
+        except Exception as exc:  # noqa: BLE001 - the request's load fails, D lives
+            reason = f"unpacking raised {type(exc).__name__}: {exc}"
+        after = None
+        tensor = self.region.buffer.tensor
+        if tensor.is_cuda:  # free the extent only after anything the unpack queued has run
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(tensor.device))
+        self._fail(req_id, read, f"its extent from prefill {params.engine_id} was not "
+                   f"unpacked: {reason}", after)
+
+    def _scatter(self, req_id: str, read: _Read, src: torch.Tensor) -> None:
         region = self.region
         order, params = read.order, read.params
         stream, start, end = self._device_events()
-        source = self._source(read)
         read.wire.before_unpack(read, stream)
         if start is not None:
             start.record(stream)
@@ -722,19 +791,20 @@ class DecodeWorker:
         kbs = region.kernel_block_size
         kernel_ids = kernel_ids[: math.ceil((params.num_tokens - order.first_token) / kbs)]
         if kernel_ids:
-            unpack_request(region.layers, kernel_ids, source, region.fmt,
+            unpack_request(region.layers, kernel_ids, src, region.fmt,
                            params.num_tokens, params.n_tok_slots, order.first_token)
         if end is not None:
             end.record(stream)
-        message = read.wire.done_message(read)
-        if message:
-            self.unread.add(req_id)
-        self.releasing.append((start, end, read.extent,
-                               (read.wire, message, req_id) if message else None))
         handoff = time.perf_counter() - read.posted
         self.samples.setdefault("handoff_duration", []).append(handoff)
         trace("read_done", req_id, bytes=params.nbytes, handoff_ms=round(1e3 * handoff, 3),
               wire=read.wire.name)
+        message = read.wire.done_message(read)
+        if message:
+            self.unread.add(req_id)
+        # last: _unpack's except frees the extent when anything above raised
+        self.releasing.append((start, end, read.extent,
+                               (read.wire, message, req_id) if message else None))
 
     def _reap(self) -> None:
         """Once a scatter has run on the device: free its extent of D's staging (NIXL

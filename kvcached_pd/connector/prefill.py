@@ -12,12 +12,18 @@ Scheduler half (:class:`PrefillScheduler`), one call per vLLM hook:
   ``kv_transfer_params`` that vLLM hands to D.
 * ``on_output`` (``update_connector_output``): free the extent at the first of D's
   DONE (its READ completed), vLLM freeing P's blocks (a plain D read them, or an
-  abort), or the lease running out.
+  abort), or the lease running out; the next step's metadata tells the worker to wipe
+  the freed extent's tag (:mod:`.tokens`).
 
 Worker half (:class:`PrefillWorker`): ``pack`` (``wait_for_save``) gathers every
 layer's blocks into the extent on the compute stream, after that step's forward and
 before vLLM samples: P's response, which hands D the extent, cannot exist before the
-pack has run. ``done`` (``build_connector_worker_meta``) collects D's DONE notifications.
+pack has run; the extent's tag (the request's token) follows its KV. ``wipe``
+(``start_load_kv``, which vLLM calls in every step, with a forward or without) zeros
+the tags of freed extents before any pack of the step can reuse their bytes. ``done``
+(``build_connector_worker_meta``) collects D's DONE notifications, and only those
+carrying the request's token: any agent that fetched P's handshake can send P a
+notification, and a DONE frees an extent and P's blocks.
 
 P's blocks are freed on D's DONE too, in pull and push mode alike: a staged D never
 reads them, and vLLM's own way of telling P (a notification sent through vLLM's NIXL
@@ -43,6 +49,7 @@ READ's 1.95 ms on the host).
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import time
@@ -51,14 +58,16 @@ from typing import Any, Iterable
 
 import torch
 
-from kvcached_pd.connector.records import PackOrder
+from kvcached_pd.connector.records import PackOrder, Wipe
 from kvcached_pd.connector.region import StagingRegion
 from kvcached_pd.connector.claim_board import ClaimBoard
+from kvcached_pd.connector.tokens import new_token, tag_bytes, wipe_tag
 from kvcached_pd.connector.wire import (
     PARAMS_KEY,
     WIRE_VERSION,
     Done,
     StagedParams,
+    WireError,
 )
 from kvcached_pd.transport.cuda_ipc import NUM_PACK_EVENTS
 from kvcached_pd.transport.format import PackedFormat
@@ -97,6 +106,7 @@ class PrefillScheduler:
     waiting: set[str] = field(default_factory=set)
     samples: dict[str, list[float]] = field(default_factory=dict)
     pack_steps: int = 0  # steps that packed: picks each step's slot of the pack-event ring
+    wipes: list[Wipe] = field(default_factory=list)  # freed packed extents, for the worker
 
     # ------------------------------------------------------------- vLLM's hooks
     def admit(self, request: Any) -> bool:
@@ -144,7 +154,8 @@ class PrefillScheduler:
             entry = self.staged[req_id]
             n_blocks = math.ceil(int(req.num_prompt_tokens) / self.block_size)
             entry.order = PackOrder(tuple(ids[:n_blocks]), entry.extent.offset,
-                                    entry.extent.nbytes, n_blocks * self.block_size, slot)
+                                    entry.extent.nbytes, n_blocks * self.block_size,
+                                    new_token(), slot)
             packs[req_id] = entry.order
             trace("pack_ordered", req_id, bytes=entry.extent.nbytes,
                   tokens=int(req.num_prompt_tokens),
@@ -172,8 +183,9 @@ class PrefillScheduler:
             host=self.host, port=self.port, tp_size=self.tp_size, offset=entry.extent.offset,
             nbytes=entry.extent.nbytes, n_tok_slots=entry.order.n_tok_slots,
             num_tokens=int(request.num_prompt_tokens), block_size=self.block_size,
-            lease_s=self.lease_s,
-            format_digest=self.digest, frees_on_done=True, pack_event=entry.order.event_slot)
+            lease_s=self.lease_s, format_digest=self.digest,
+            token=entry.order.token.hex(), frees_on_done=True,
+            pack_event=entry.order.event_slot)
         entry.finished_at = time.monotonic()
         params[PARAMS_KEY] = entry.params.to_params()
         if self.board is not None:
@@ -216,9 +228,15 @@ class PrefillScheduler:
         if entry is not None and self.board is not None:
             self.board.withdraw(req_id, reason)
         if entry is not None:
+            if entry.order is not None:  # its tag was written: the worker wipes it
+                self.wipes.append(Wipe(req_id, entry.extent.offset, entry.extent.nbytes))
             self.allocator.free(entry.extent)
             self._usage_changed()
             trace("p_released", req_id, held_ms=ms_since(entry.finished_at or None))
+
+    def take_wipes(self) -> list[Wipe]:
+        wipes, self.wipes = self.wipes, []
+        return wipes
 
     def _sample(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)
@@ -243,6 +261,21 @@ class PrefillWorker:
     _packed: dict[str, float] = field(default_factory=dict)  # blocks held by vLLM
     _released: set[str] = field(default_factory=set)  # DONE seen, not reported yet
     _sent_early: dict[str, float] = field(default_factory=dict)  # reported by us
+    _tokens: dict[str, str] = field(default_factory=dict)  # packed, not wiped: token hex
+    # wiped: (token hex, when); a DONE slower than vLLM's own notification still counts
+    _retired: dict[str, tuple[str, float]] = field(default_factory=dict)
+    _refused: int = 0  # DONE-like notifications refused since the last warning
+    _refused_logged: float = -math.inf
+
+    def wipe(self, wipes: list[Wipe]) -> None:
+        """Zero the tags of extents P's scheduler freed (stream-ordered before this
+        step's packs, which may reuse their bytes); their tokens free nothing more."""
+        now = time.monotonic()
+        for wipe in wipes:
+            token = self._tokens.pop(wipe.req_id, None)
+            if token is not None:
+                self._retired[wipe.req_id] = (token, now)
+            wipe_tag(self.region.region(wipe.offset, wipe.nbytes))
 
     def pack(self, packs: dict[str, PackOrder]) -> None:
         """Gather each finished prefill's blocks into its extent, on the compute stream
@@ -265,7 +298,8 @@ class PrefillWorker:
                     f"kvcached-pd: request {req_id}: the scheduler planned {order.n_tok_slots} "
                     f"token slots, the worker has {len(kernel_ids) * region.kernel_block_size}")
             pack_request(region.layers, kernel_ids, region.region(order.offset, order.nbytes),
-                         region.fmt)
+                         region.fmt, tag_bytes(order.token, order.offset, order.nbytes))
+            self._tokens[req_id] = order.token.hex()
         if region.pack_events is not None:
             # a same-host D's stream waits on this before it unpacks (IPC wire)
             region.pack_events.record(next(iter(packs.values())).event_slot, stream)
@@ -324,6 +358,8 @@ class PrefillWorker:
         for held in (self._packed, self._sent_early):
             for req_id in [r for r, t in held.items() if now - t > self.horizon_s]:
                 del held[req_id]  # aborted after its pack: vLLM never held its blocks
+        for req_id in [r for r, (_, t) in self._retired.items() if now - t > self.horizon_s]:
+            del self._retired[req_id]
         return sending
 
     def reported_early(self, req_id: str) -> bool:
@@ -331,9 +367,29 @@ class PrefillWorker:
 
     def _drain(self) -> None:
         for message in self.region.agent.notifications():
-            record = Done.decode(message)
+            try:
+                record = Done.decode(message)
+            except WireError as exc:
+                self._refuse(str(exc))
+                continue
             if record is None:
+                continue
+            token = self._tokens.get(record.request_id) or \
+                self._retired.get(record.request_id, ("",))[0]
+            if not token or not hmac.compare_digest(token, record.token):
+                self._refuse(f"a DONE for request {record.request_id[:200]!r} without its "
+                             "token (its sender never held the request's params)")
                 continue
             self._done.add((record.request_id, record.rank))
             if self._packed.pop(record.request_id, None) is not None:
                 self._released.add(record.request_id)
+
+    def _refuse(self, reason: str, every_s: float = 60.0) -> None:
+        """Ignore one notification; warn for the first and then at most every
+        ``every_s`` (a peer may send any number)."""
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= every_s:
+            logger.warning("kvcached-pd: ignored %d notification(s) to the staging agent, "
+                           "the last: %s", self._refused, reason)
+            self._refused, self._refused_logged = 0, now

@@ -22,13 +22,25 @@ from kvcached_pd.connector.wire import StagedParams
 
 @dataclass(frozen=True)
 class PackOrder:
-    """P: gather these scheduler blocks into ``[offset, offset + nbytes)`` of staging."""
+    """P: gather these scheduler blocks into ``[offset, offset + nbytes)`` of staging,
+    and end the extent with the tag of the request's ``token`` (:mod:`.tokens`)."""
 
     block_ids: tuple[int, ...]
     offset: int
     nbytes: int
     n_tok_slots: int
+    token: bytes
     event_slot: int = -1  # the pack-event slot P's worker records after this step's packs
+
+
+@dataclass(frozen=True)
+class Wipe:
+    """P: the extent ``[offset, offset + nbytes)`` of ``req_id`` was freed; zero its tag
+    (its token must open nothing any more) before this step's packs."""
+
+    req_id: str
+    offset: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,7 @@ class StepMetadata(KVConnectorMetadata):
     packs: dict[str, PackOrder] = field(default_factory=dict)
     recvs: dict[str, RecvOrder] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)  # D: aborted before their READ
+    wipes: list[Wipe] = field(default_factory=list)  # P: extents freed since the last step
 
 
 @dataclass

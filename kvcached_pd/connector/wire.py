@@ -42,12 +42,26 @@ Wire version history
     after the request's pack). An older D ignores both and READs over NIXL; a newer D
     reads their absence as "no IPC" and READs over NIXL too. The DONE is the same
     notification on both wires (on the IPC wire D sends it once its unpack has run).
+  3 (2026-11-25): per-request tokens (:mod:`.tokens`): :class:`StagedParams` carry a
+    required ``token`` (32 hex digits), the extent ends with a tag holding it (packed
+    format version 2), and the DONE is ``KVPD3:D:<request id>:<rank>:<token>``. P frees
+    an extent and its blocks only on a DONE with the request's token; D unpacks only an
+    extent whose tag matches its params. Versions 1 and 2 are not compatible: their
+    params carry no token, so nothing could show that the bytes read are the request's.
+    Requests between a version 3 and an older peer take vLLM's own NIXL path (both sides
+    refuse the other's params and handshake), as between peers of two packed formats.
+
+Every field of a peer's params is checked before use (:meth:`StagedParams.from_params`):
+types, finite numbers, bounds (:data:`MAX_WIRE_INT`), and the arithmetic that ties
+``num_tokens``, ``n_tok_slots`` and ``block_size`` together. A refusal is per request.
+The IPC wire's optional fields (version 2, amended) stay optional in version 3.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Mapping
@@ -56,14 +70,25 @@ import msgspec
 
 from kvcached_pd.transport.format import PackedFormat
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 # Versions this build can talk to. A new version that only adds optional fields may
 # list its predecessor here; a change in meaning must not.
-COMPATIBLE_WIRE_VERSIONS = frozenset({1, 2})
+COMPATIBLE_WIRE_VERSIONS = frozenset({3})
 CLAIM_WIRE_VERSION = 2  # the first version whose P answers claims
 
 PARAMS_KEY = "kvcached_pd"  # in kv_transfer_params, P -> D
-_DONE_PREFIX = b"KVPD1:D:"
+_DONE_PREFIX = b"KVPD3:D:"
+
+# Bounds on what a peer's params may say. 2**48 bytes (256 TiB) is above any device
+# buffer (x86-64 and CUDA address 48 bits of virtual memory), and every integer below
+# it survives a proxy that holds JSON numbers as doubles (exact to 2**53).
+MAX_WIRE_INT = 1 << 48
+MAX_ID_BYTES = 4096  # a request or engine id (UTF-8): above any id vLLM or a proxy makes
+MAX_HOST_BYTES = 255  # a DNS name's limit
+MAX_LEASE_S = 86400.0  # a day: no KV lease is longer (vLLM's default is 480 s at most)
+MAX_BLOCK_SIZE = 1 << 20
+_TOKEN_HEX = re.compile(r"[0-9a-f]{32}")
+_RANK = re.compile(r"[0-9]{1,5}")
 
 
 class WireError(ValueError):
@@ -213,12 +238,13 @@ class StagedParams:
     port: int
     tp_size: int
     offset: int
-    nbytes: int  # per rank
+    nbytes: int  # per rank, the extent's tag included
     n_tok_slots: int
     num_tokens: int
     block_size: int  # P's scheduler block size (tokens)
     lease_s: float  # P frees the extent this long after the request finished at the latest
     format_digest: str
+    token: str  # the request's token, 32 hex digits (.tokens): in the extent's tag and DONE
     # P frees the request's blocks on D's DONE (optional: absent from older builds)
     frees_on_done: bool = False
     # the slot of P's pack-event ring recorded after this request's pack (IPC wire); -1:
@@ -231,62 +257,142 @@ class StagedParams:
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> "StagedParams | None":
         """The staged params in a request's ``kv_transfer_params``, None when there are
-        none (a plain vLLM prefill); :class:`WireError` when they are malformed."""
-        raw = (params or {}).get(PARAMS_KEY)
+        none (a plain vLLM prefill); :class:`WireError` when they are malformed (any
+        input: nothing else is raised)."""
+        try:
+            raw = params.get(PARAMS_KEY) if isinstance(params, Mapping) else None
+        except Exception as exc:  # noqa: BLE001 - a mapping whose get raises
+            raise WireError(f"unreadable kv_transfer_params: {type(exc).__name__}") from None
         if raw is None:
             return None
         if not isinstance(raw, Mapping):
-            raise WireError(f"{PARAMS_KEY} in kv_transfer_params is not a mapping: {raw!r}")
+            raise WireError(f"{PARAMS_KEY} in kv_transfer_params is not a mapping")
         names = {f.name: f.type for f in fields(cls) if f.name in raw or f.default is MISSING}
         missing = sorted(set(names) - set(raw))
         if missing:
             raise WireError(f"{PARAMS_KEY} lacks {missing} (peer wire version "
-                            f"{raw.get('wire_version')!r})")
+                            f"{_short(raw.get('wire_version'))})")
         try:
-            return cls(**{name: _coerce(raw[name], kind) for name, kind in names.items()})
-        except (TypeError, ValueError) as exc:
-            raise WireError(f"malformed {PARAMS_KEY}: {exc}") from exc
+            staged = cls(**{name: _coerce(name, raw[name], kind)
+                            for name, kind in names.items()})
+            staged._check()
+        except WireError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - anything else a value can make raise
+            raise WireError(f"malformed {PARAMS_KEY}: {type(exc).__name__}") from None
+        return staged
+
+    def _check(self) -> None:
+        """What holds between fields (P's ``on_step`` packs whole blocks of the prompt)."""
+        if not 1 <= self.port <= 65535:
+            raise WireError(f"malformed {PARAMS_KEY}: port {self.port} is not a TCP port")
+        if min(self.tp_size, self.nbytes, self.num_tokens) < 1 or self.offset < 0:
+            raise WireError(f"malformed {PARAMS_KEY}: tp_size, nbytes and num_tokens must "
+                            "be positive, offset not negative")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise WireError(f"malformed {PARAMS_KEY}: block_size {self.block_size}")
+        if self.offset + self.nbytes > MAX_WIRE_INT:
+            raise WireError(f"malformed {PARAMS_KEY}: the extent ends past 2**48")
+        blocks = -(-self.num_tokens // self.block_size)
+        if self.n_tok_slots != blocks * self.block_size:
+            raise WireError(f"malformed {PARAMS_KEY}: {self.num_tokens} tokens in blocks of "
+                            f"{self.block_size} fill {blocks * self.block_size} slots, not "
+                            f"{self.n_tok_slots}")
+        if not (math.isfinite(self.lease_s) and 0 < self.lease_s <= MAX_LEASE_S):
+            raise WireError(f"malformed {PARAMS_KEY}: lease_s must be in (0, "
+                            f"{MAX_LEASE_S:.0f}]")
+        if not _TOKEN_HEX.fullmatch(self.token):
+            raise WireError(f"malformed {PARAMS_KEY}: token is not 32 lowercase hex digits")
 
 
-def _coerce(value: Any, kind: Any) -> Any:
+def _short(value: Any) -> str:
+    """A peer's value in an error message, cut short (it may be anything, and huge)."""
+    text = repr(value) if isinstance(value, (int, float, str, bool, type(None))) else \
+        type(value).__name__
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+_STR_LIMITS = {"host": MAX_HOST_BYTES, "format_digest": 64, "token": 32}
+
+
+def _coerce(name: str, value: Any, kind: Any) -> Any:
+    """One field of a peer's params, or :class:`WireError`. Integers: ``int`` (or an
+    integral float, as a JSON proxy may write one) of magnitude at most
+    ``MAX_WIRE_INT`` (signs are the business of ``StagedParams._check``); floats:
+    finite; strings: valid UTF-8 of bounded length (a DONE must be able to carry the
+    request id)."""
     kind = str(kind)
     if kind == "int":
-        if isinstance(value, bool) or int(value) != value:
-            raise ValueError(f"{value!r} is not an integer")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise WireError(f"malformed {PARAMS_KEY}: {name}={_short(value)} is not an integer")
+        if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+            raise WireError(f"malformed {PARAMS_KEY}: {name}={_short(value)} is not an integer")
+        if not -MAX_WIRE_INT <= value <= MAX_WIRE_INT:
+            raise WireError(f"malformed {PARAMS_KEY}: {name}={_short(value)} is outside "
+                            "[-2**48, 2**48]")
         return int(value)
     if kind == "float":
-        return float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (isinstance(value, int) and abs(value) > MAX_WIRE_INT):
+            raise WireError(f"malformed {PARAMS_KEY}: {name}={_short(value)} is not a number")
+        value = float(value)
+        if not math.isfinite(value):
+            raise WireError(f"malformed {PARAMS_KEY}: {name}={_short(value)} is not finite")
+        return value
     if kind == "bool":
         if not isinstance(value, bool):
-            raise ValueError(f"{value!r} is not a boolean")
+            raise WireError(f"malformed {PARAMS_KEY}: {name}={_short(value)} is not a boolean")
         return value
     if kind == "str":
         if not isinstance(value, str):
-            raise ValueError(f"{value!r} is not a string")
+            raise WireError(f"malformed {PARAMS_KEY}: {name}={_short(value)} is not a string")
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise WireError(f"malformed {PARAMS_KEY}: {name} is not valid UTF-8") from None
+        if not 0 < size <= _STR_LIMITS.get(name, MAX_ID_BYTES):
+            raise WireError(f"malformed {PARAMS_KEY}: {name} is empty or longer than "
+                            f"{_STR_LIMITS.get(name, MAX_ID_BYTES)} bytes")
         return value
-    return value
+    raise WireError(f"malformed {PARAMS_KEY}: {name} has no known type")
 
 
 @dataclass(frozen=True)
 class Done:
-    """D's READ of ``request_id``'s extent from P rank ``rank`` has completed."""
+    """D's READ of ``request_id``'s extent from P rank ``rank`` has completed; ``token``
+    (32 hex digits) is the request's, from its params: P frees nothing on a DONE
+    whose token is not the request's."""
 
     request_id: str
     rank: int
+    token: str
 
     def encode(self) -> bytes:
-        return _DONE_PREFIX + f"{self.request_id}:{self.rank}".encode()
+        return _DONE_PREFIX + f"{self.request_id}:{self.rank}:{self.token}".encode()
 
     @classmethod
-    def decode(cls, message: bytes) -> "Done | None":
-        """None for a message that is not a kvcached-pd DONE."""
+    def decode(cls, message: Any) -> "Done | None":
+        """None for a message that is not a kvcached-pd DONE; :class:`WireError` for one
+        that starts like a DONE and is malformed (any input: nothing else is raised).
+        A message is anything any agent that loaded P's metadata sends: the rank must
+        be ASCII digits, the token 32 lowercase hex digits, the request id valid UTF-8
+        of at most :data:`MAX_ID_BYTES`."""
+        if not isinstance(message, (bytes, bytearray, memoryview)):
+            return None
+        message = bytes(message)
         if not message.startswith(_DONE_PREFIX):
             return None
-        body = message[len(_DONE_PREFIX):].decode(errors="replace")
-        request_id, _, rank = body.rpartition(":")
-        if not request_id or not rank.isdigit():
-            return None
-        return cls(request_id, int(rank))
+        if len(message) > len(_DONE_PREFIX) + MAX_ID_BYTES + 40:
+            raise WireError(f"a DONE of {len(message)} bytes (longer than any request id)")
+        try:
+            body = message[len(_DONE_PREFIX):].decode("utf-8")
+        except UnicodeDecodeError:
+            raise WireError("a DONE that is not valid UTF-8") from None
+        rest, _, token = body.rpartition(":")
+        request_id, _, rank = rest.rpartition(":")
+        if not request_id or not _RANK.fullmatch(rank) or not _TOKEN_HEX.fullmatch(token):
+            raise WireError("a malformed DONE (want <request id>:<rank>:<32 hex digits>)")
+        return cls(request_id, int(rank), token)
 
 
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)

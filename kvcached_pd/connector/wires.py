@@ -52,7 +52,7 @@ class NixlWire:
 
     def post(self, read: Any) -> None:
         params = read.params
-        notif = Done(params.request_id, self.region.tp_rank).encode()
+        notif = Done(params.request_id, self.region.tp_rank, params.token).encode()
         read.handle = self.region.agent.read(self.peer, self.handshake, params.offset,
                                              read.extent.offset, params.nbytes, notif)
 
@@ -116,7 +116,7 @@ class IpcWire:
         return self.mapped.extent(read.params.offset, read.params.nbytes)
 
     def done_message(self, read: Any) -> bytes | None:
-        return Done(read.params.request_id, self.region.tp_rank).encode()
+        return Done(read.params.request_id, self.region.tp_rank, read.params.token).encode()
 
     def send(self, message: bytes) -> None:
         self.region.agent.send(self.peer, message)

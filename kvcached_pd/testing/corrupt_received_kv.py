@@ -2,8 +2,10 @@
 
 With ``KVCACHED_PD_TEST_CORRUPT=1`` (and only then), each time the decode side's pull
 worker reports a request's KV as received, the first received block of every layer is
-negated in place; on kvcached-pd's connector, every byte of a staged extent is
-inverted after its READ and before it is scattered into the KV blocks. The equivalence harness runs a mode with this switch and must
+negated in place; on kvcached-pd's connector, every KV byte of a staged extent is
+inverted after its READ and before it is scattered into the KV blocks (its tag is left
+as it came, so the load goes on with wrong KV rather than failing the tag check). The
+equivalence harness runs a mode with this switch and must
 report a difference; if it does not, the harness cannot tell a broken transfer from
 a good one and its other verdicts mean nothing.
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from kvcached_pd import vllm_nixl
 from kvcached_pd.patches.base import Patch
+from kvcached_pd.transport.format import TAG_BYTES
 from kvcached_pd.versions import SUPPORTED_VLLM
 
 logger = logging.getLogger("kvcached_pd")
@@ -69,7 +72,8 @@ def _make_hook(original):
 def _make_unpack_hook(original):
     @functools.wraps(original)
     def _unpack(self, req_id, read):
-        view = self._source(read)  # D's staging (NIXL wire) or P's mapped staging (IPC)
+        # the KV bytes the unpack reads, on either wire (D's staging or P's), less the tag
+        view = self._source(read)[: read.params.nbytes - TAG_BYTES]
         view.bitwise_not_()
         logger.warning("kvcached-pd TEST: inverted the %d bytes of request %s's staged extent "
                        "(KVCACHED_PD_TEST_CORRUPT=1)", view.numel(), req_id)

@@ -1,16 +1,23 @@
-"""The canonical packed format of one request's KV in a staging extent (version 1).
+"""The canonical packed format of one request's KV in a staging extent (version 2).
 
 Prefill and decode workers may lay their caches out differently (NHD or HND, K/V
 first, blocks first or K/V packed, kvcached or not) and may use different block sizes.
 Rather than negotiate a common block size or layout, each side converts between its own
 cache and this one format, and the handshake checks only that both speak it.
 
-Version 1, for one request on one TP rank, with ``n_tok_slots`` = (blocks packed) x
+Version 2, for one request on one TP rank, with ``n_tok_slots`` = (blocks packed) x
 (block size of the packing side)::
 
-    extent = layer 0 | layer 1 | ... | layer num_layers-1       (no gaps, no header)
+    extent = layer 0 | layer 1 | ... | layer num_layers-1 | tag    (no gaps, no header)
     layer  = array of logical shape (2, n_tok_slots, num_kv_heads, head_dim),
              C-contiguous, in the cache dtype; [0] is K, [1] is V
+    tag    = TAG_BYTES bytes the packing side's connector writes after the KV (the
+             request's token and the extent's place: kvcached_pd.connector.tokens);
+             the pack and unpack kernels never touch it
+
+Version 1 had no tag. The tag is what makes a read of the wrong bytes detectable before
+they are used: the decode side checks it against the request's params before it
+unpacks (see ``kvcached_pd.connector.tokens``).
 
 Token slot ``t`` holds the request's token ``t``; slots ``[num_tokens, n_tok_slots)``
 are padding (whatever the packing side's last block held there). ``n_tok_slots`` and
@@ -27,6 +34,7 @@ import torch
 
 __all__ = [
     "FORMAT_VERSION",
+    "TAG_BYTES",
     "PackedFormat",
     "PackedFormatMismatch",
     "dtype_name",
@@ -34,7 +42,8 @@ __all__ = [
     "packed_extent_view",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+TAG_BYTES = 32  # after the KV of every extent: a 16-byte token, the extent's size and offset
 
 
 class PackedFormatMismatch(ValueError):
@@ -90,10 +99,14 @@ class PackedFormat:
     def bytes_per_token_all_layers(self) -> int:
         return self.num_layers * self.bytes_per_token_one_layer
 
-    def extent_bytes(self, n_tok_slots: int) -> int:
-        """Size of an extent holding ``n_tok_slots`` token slots of every layer."""
+    def kv_bytes(self, n_tok_slots: int) -> int:
+        """Size of the KV part of an extent of ``n_tok_slots`` token slots (all layers)."""
         _check_slots(n_tok_slots)
         return n_tok_slots * self.bytes_per_token_all_layers
+
+    def extent_bytes(self, n_tok_slots: int) -> int:
+        """Size of an extent holding ``n_tok_slots`` token slots of every layer, and its tag."""
+        return self.kv_bytes(n_tok_slots) + TAG_BYTES
 
     def layer_offset(self, layer: int, n_tok_slots: int) -> int:
         """Byte offset of ``layer``'s array inside an extent of ``n_tok_slots`` slots."""
@@ -165,8 +178,9 @@ def packed_extent_view(extent: torch.Tensor, fmt: PackedFormat, n_tok_slots: int
     """View a contiguous extent (any dtype, e.g. staging ``uint8``) as
     ``(num_layers, 2, n_tok_slots, num_kv_heads, head_dim)`` in the format's dtype.
 
-    The extent must be exactly ``fmt.extent_bytes(n_tok_slots)`` long: a size mismatch
-    means the two sides disagree on ``n_tok_slots`` and is never papered over.
+    The extent must be exactly ``fmt.extent_bytes(n_tok_slots)`` long (its tag
+    included; the view leaves the tag out): a size mismatch means the two sides
+    disagree on ``n_tok_slots`` and is never papered over.
     """
     if not extent.is_contiguous():
         raise ValueError(f"packed extent must be contiguous, got strides {extent.stride()}")
@@ -179,7 +193,7 @@ def packed_extent_view(extent: torch.Tensor, fmt: PackedFormat, n_tok_slots: int
         )
     return (
         extent.reshape(-1)
-        .view(torch.uint8)
+        .view(torch.uint8)[: fmt.kv_bytes(n_tok_slots)]
         .view(fmt.torch_dtype)
         .view(fmt.num_layers, 2, n_tok_slots, fmt.num_kv_heads, fmt.head_dim)
     )

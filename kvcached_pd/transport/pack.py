@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcached_pd.transport import pack_triton
-from kvcached_pd.transport.format import PackedFormat, dtype_name, packed_extent_view
+from kvcached_pd.transport.format import TAG_BYTES, PackedFormat, dtype_name, packed_extent_view
 from kvcached_pd.transport.layout import KVCacheLayers
 
 __all__ = [
@@ -134,28 +134,55 @@ def pack_request(
     block_ids: BlockIds,
     out_extent: torch.Tensor,
     fmt: PackedFormat,
+    tag: bytes | None = None,
 ) -> int:
     """Gather ``block_ids`` of every layer into ``out_extent``; return ``n_tok_slots``.
 
     ``layer_views`` are logical views (:func:`~kvcached_pd.transport.layout.logical_kv_view`)
     or a :class:`KVCacheLayers`; ``out_extent`` is a contiguous tensor on the caches'
     device of exactly ``fmt.extent_bytes(len(block_ids) * block_size)`` bytes. The
-    extent holds ``n_tok_slots = len(block_ids) * block_size`` token slots per layer.
+    extent holds ``n_tok_slots = len(block_ids) * block_size`` token slots per layer,
+    then ``tag`` (``TAG_BYTES``; zeros when None), written after the KV on the same
+    stream.
     """
     layers = _as_layers(layer_views)
     _check_layers_match_format(layers, fmt)
     host_ids = _host_block_ids(block_ids, layers.num_blocks)
+    if tag is not None and len(tag) != TAG_BYTES:
+        raise ValueError(f"an extent's tag is {TAG_BYTES} bytes, got {len(tag)}")
     num_blocks, block_size = host_ids.numel(), layers.block_size
     n_tok_slots = num_blocks * block_size
     packed = packed_extent_view(out_extent, fmt, n_tok_slots)
     _check_same_device(packed, layers)
+    _pack_kv(layers, host_ids, packed)
+    _write_tag(out_extent, tag)
+    return n_tok_slots
+
+
+def _write_tag(extent: torch.Tensor, tag: bytes | None) -> None:
+    """The extent's last ``TAG_BYTES``: ``tag``, or zeros. On a GPU the bytes go from
+    pinned memory without waiting (see :func:`_device_index`)."""
+    flat = extent.reshape(-1).view(torch.uint8)
+    dst = flat[flat.numel() - TAG_BYTES:]
+    if tag is None:
+        dst.zero_()
+        return
+    src = torch.frombuffer(bytearray(tag), dtype=torch.uint8)
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
+def _pack_kv(layers: KVCacheLayers, host_ids: torch.Tensor, packed: torch.Tensor) -> None:
+    num_blocks, block_size = host_ids.numel(), layers.block_size
     plan = _triton_plan(layers, packed)
     if plan is not None:
         index = _device_index(host_ids, layers.device)
         words = packed.view(plan.word)
         pack_triton.copy_blocks(plan.words, plan.addrs, index, words.reshape(-1),
                                 words[0, 0].numel(), to_packed=True)
-        return n_tok_slots
+        return
     sources = (layers.stacked,) if layers.stacked is not None else layers.layers
     word = _widest_word((packed, *sources))
     by_block = packed.view(word).unflatten(2, (num_blocks, block_size))
@@ -165,7 +192,6 @@ def pack_request(
     else:
         for layer, view in enumerate(layers.layers):
             torch.index_select(view.view(word), 1, index, out=by_block[layer])
-    return n_tok_slots
 
 
 def unpack_request(
@@ -374,13 +400,14 @@ def _check_same_device(packed: torch.Tensor, layers: KVCacheLayers) -> None:
 def pack_request_reference(
     layer_views: LayerViews, block_ids: Sequence[int], fmt: PackedFormat
 ) -> torch.Tensor:
-    """Token-by-token Python loop of :func:`pack_request`; returns a new ``uint8`` extent.
-    For tests only."""
+    """Token-by-token Python loop of :func:`pack_request` (zero tag); returns a new
+    ``uint8`` extent. For tests only."""
     layers = _as_layers(layer_views)
     ids = [int(block_id) for block_id in block_ids]
     block_size = layers.block_size
     n_tok_slots = len(ids) * block_size
     extent = torch.empty(fmt.extent_bytes(n_tok_slots), dtype=torch.uint8, device=layers.device)
+    _write_tag(extent, None)
     packed = _as_bits(packed_extent_view(extent, fmt, n_tok_slots))
     for layer, view in enumerate(layers.layers):
         bits = _as_bits(view)

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from kvcached_pd.config import KVCACHED_PD_STAGING_MB, STAGING_ALIGNMENT
+from kvcached_pd.transport.format import TAG_BYTES
 
 ALIGNMENT = STAGING_ALIGNMENT
 FLOOR_BYTES = 2 << 30
@@ -78,7 +79,7 @@ def role_bytes(*, bytes_per_token: int, block_size: int, kv_budget_tokens: int,
     def tokens_bytes(tokens: int) -> int:
         return math.ceil(tokens / block_size) * block_size * bytes_per_token
 
-    one_request = tokens_bytes(max_model_len)
+    one_request = tokens_bytes(max_model_len) + TAG_BYTES  # an extent ends with its tag
     if staging_mb is not None:
         nbytes = _align(staging_mb << 20)
         if nbytes < one_request:
@@ -118,7 +119,7 @@ def plan_for(vllm_config, kv_cache_config, fmt, staging_mb: int | None) -> Stagi
     scheduler = vllm_config.scheduler_config
     return plan_staging(
         kv_role=getattr(kv_transfer, "kv_role", None),
-        bytes_per_token=fmt.extent_bytes(1),
+        bytes_per_token=fmt.bytes_per_token_all_layers,
         block_size=block_size,
         kv_budget_tokens=int(kv_cache_config.num_blocks) * block_size,
         max_model_len=int(vllm_config.model_config.max_model_len),

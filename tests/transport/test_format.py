@@ -9,6 +9,7 @@ import torch
 
 from kvcached_pd.transport.format import (
     FORMAT_VERSION,
+    TAG_BYTES,
     PackedFormat,
     PackedFormatMismatch,
     packed_extent_view,
@@ -19,9 +20,10 @@ FMT = PackedFormat(num_layers=4, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
 def test_sizes_and_offsets() -> None:
     per_token_one_layer = 2 * 8 * 128 * 2
-    assert FMT.version == FORMAT_VERSION == 1
+    assert FMT.version == FORMAT_VERSION == 2
     assert FMT.bytes_per_token_all_layers == 4 * per_token_one_layer
-    assert FMT.extent_bytes(48) == 48 * 4 * per_token_one_layer
+    assert FMT.kv_bytes(48) == 48 * 4 * per_token_one_layer
+    assert FMT.extent_bytes(48) == 48 * 4 * per_token_one_layer + TAG_BYTES == 786464
     assert [FMT.layer_offset(layer, 48) for layer in range(4)] == [
         layer * 48 * per_token_one_layer for layer in range(4)
     ]
@@ -46,8 +48,8 @@ def test_extent_view_puts_each_layer_at_its_offset_k_before_v() -> None:
 
 def test_extent_view_refuses_a_wrong_size_or_non_contiguous_extent() -> None:
     fmt = PackedFormat(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16")
-    with pytest.raises(ValueError, match="holds 48 bytes but 4 token slots .* need 64"):
-        packed_extent_view(torch.zeros(48, dtype=torch.uint8), fmt, 4)
+    with pytest.raises(ValueError, match="holds 64 bytes but 4 token slots .* need 96"):
+        packed_extent_view(torch.zeros(64, dtype=torch.uint8), fmt, 4)
     with pytest.raises(ValueError, match="contiguous"):
         packed_extent_view(torch.zeros(128, dtype=torch.uint8)[::2], fmt, 4)
 
@@ -73,7 +75,7 @@ def test_from_dict_names_missing_fields_and_bad_values() -> None:
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("version", 2, "version differs"),
+        ("version", 1, "version differs"),
         ("num_layers", 5, "num_layers differs"),
         ("num_kv_heads", 4, "TP head slicing not supported"),
         ("head_dim", 64, "head_dim differs"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached_pd.transport.sizing import FLOOR_BYTES, StagingSizeError, plan_staging
+from kvcached_pd.transport.sizing import ALIGNMENT, FLOOR_BYTES, StagingSizeError, plan_staging
 from kvcached_pd.transport.staging import ExtentAllocator
 
 KIB = 1 << 10
@@ -24,16 +24,17 @@ def test_default_takes_the_largest_need_under_the_budget():
     assert plan().prefill_bytes == FLOOR_BYTES
     # kvbig (256 KiB/token): two steps of 8192 tokens = 4 GiB
     assert plan(bytes_per_token=256 * KIB).prefill_bytes == 4 << 30
-    # a max_model_len of 32k at 256 KiB/token: two requests = 16 GiB
+    # a max_model_len of 32k at 256 KiB/token: two requests = 16 GiB (and two tags)
     big = plan(bytes_per_token=256 * KIB, max_model_len=32768)
-    assert big.prefill_bytes == 16 << 30
+    assert big.prefill_bytes == (16 << 30) + ALIGNMENT
 
 
 def test_default_never_exceeds_the_kv_budget_but_holds_one_request():
     small = plan(kv_budget_tokens=10_000)  # 10k tokens of KV: 312.5 MiB
     assert small.prefill_bytes == 10_000 * 32 * KIB
     tiny_budget = plan(kv_budget_tokens=1_000)  # below one max_model_len request
-    assert tiny_budget.prefill_bytes == 4096 * 32 * KIB
+    # one request's extent: its KV and its tag, aligned
+    assert tiny_budget.prefill_bytes == 4096 * 32 * KIB + ALIGNMENT
 
 
 def test_roles_get_disjoint_ranges():
@@ -51,8 +52,10 @@ def test_roles_get_disjoint_ranges():
 
 def test_explicit_size_is_used_and_checked_against_one_request():
     assert plan(staging_mb=300).prefill_bytes == 300 * MIB
-    with pytest.raises(StagingSizeError, match="at least 128"):
-        plan(staging_mb=100)  # 4096 tokens x 32 KiB = 128 MiB
+    with pytest.raises(StagingSizeError, match="at least 129"):
+        plan(staging_mb=100)  # 4096 tokens x 32 KiB = 128 MiB, and the extent's tag
+    with pytest.raises(StagingSizeError, match="at least 129"):
+        plan(staging_mb=128)
 
 
 def test_a_role_with_no_range_never_allocates():

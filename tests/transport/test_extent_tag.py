@@ -1,0 +1,47 @@
+"""The extent's tag: written by the pack after the KV, read back and checked by D.
+
+On the CPU here; on a GPU too when one is present (the tag goes from pinned memory
+without a host wait, and is read on a side stream).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcached_pd.connector.tokens import extent_check, new_token, read_tag, tag_bytes, wipe_tag
+from kvcached_pd.transport.format import TAG_BYTES, PackedFormat
+from kvcached_pd.transport.layout import KVCacheLayers
+from kvcached_pd.transport.pack import pack_request, pack_request_reference, unpack_request
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_tag_follows_the_kv_and_is_checked_against_the_params(device):
+    fmt = PackedFormat.for_cache(2, 2, 4, torch.bfloat16)
+    caches = [torch.randn(2, 6, 8, 2, 4, generator=torch.Generator().manual_seed(layer))
+              .to(torch.bfloat16).to(device) for layer in range(2)]
+    layers = KVCacheLayers.from_views(caches)
+    ids, slots = [4, 1], 16
+    token, offset = new_token(), 8192
+    extent = torch.full((fmt.extent_bytes(slots),), 0xA5, dtype=torch.uint8, device=device)
+    pack_request(layers, ids, extent, fmt, tag_bytes(token, offset, extent.numel()))
+    reference = pack_request_reference(caches, ids, fmt)
+    kv = fmt.kv_bytes(slots)
+    assert torch.equal(extent[:kv], reference[:kv])  # the tag leaves the KV alone
+    assert torch.equal(reference[kv:].cpu(), torch.zeros(TAG_BYTES, dtype=torch.uint8))
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    assert read_tag(extent, stream) == token + extent.numel().to_bytes(8, "little") \
+        + offset.to_bytes(8, "little")
+    assert extent_check(extent, token.hex(), offset, stream) is None
+    assert "another request's token" in extent_check(extent, new_token().hex(), offset, stream)
+    assert "at offset 8192" in extent_check(extent, token.hex(), 0, stream)
+    # the unpack reads the KV only: the tag never lands in a block
+    out = [torch.zeros_like(c) for c in caches]
+    unpack_request(KVCacheLayers.from_views(out), [0, 2], extent, fmt, 16, slots)
+    for got, cache in zip(out, caches):
+        assert torch.equal(got[:, [0, 2]], cache[:, ids])
+    wipe_tag(extent)
+    assert read_tag(extent, stream) == bytes(TAG_BYTES)
+    assert "another request's token" in extent_check(extent, token.hex(), offset, stream)
