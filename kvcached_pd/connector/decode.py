@@ -69,6 +69,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +80,7 @@ from kvcached_pd.connector.records import ClaimTarget, RecvOrder
 from kvcached_pd.connector.region import StagingRegion
 from kvcached_pd.connector.side_channel import ClaimClient, claim_port, fetch_handshake
 from kvcached_pd.connector.tokens import extent_check
-from kvcached_pd.connector.wires import choose_wire
+from kvcached_pd.connector.wires import WireClosed, choose_wire
 from kvcached_pd.connector.wire import (
     CLAIM_WIRE_VERSION,
     COMPATIBLE_WIRE_VERSIONS,
@@ -475,6 +476,8 @@ class DecodeWorker:
         # reads each extent's tag (.tokens) without waiting for the compute stream
         self._tag_stream = (torch.cuda.Stream(region.buffer.tensor.device)
                             if region.buffer.tensor.is_cuda else None)
+        self._stopping = threading.Event()
+        self._unmapper: threading.Thread | None = None  # started with the first IPC peer
 
     # ------------------------------------------------------------- vLLM's hooks
     def start(self, orders: dict[str, RecvOrder], cancelled: set[str]) -> None:
@@ -531,7 +534,6 @@ class DecodeWorker:
             self.finished.add(req_id)
         self._post_queued()
         self._reap()
-        self._unmap_idle_peers()
         finished, self.finished = self.finished, set()
         failed, self.failed = self.failed, set()
         invalid, self.invalid_blocks = self.invalid_blocks, set()
@@ -644,21 +646,30 @@ class DecodeWorker:
                    handshake.staging_bytes >> 20, handshake.wire_version, wire.name, wire.why)
         return wire
 
+    def _start_unmapper(self) -> None:
+        """D's engine steps only while it has requests, so an idle D would keep a dead
+        P's mapping forever: a thread drops idle mappings (``idle_unmap_s``). It holds
+        this worker weakly, so a worker nobody shut down can still be collected."""
+        if self._unmapper is None:
+            self._unmapper = threading.Thread(
+                target=_unmap_loop, args=(weakref.ref(self), self._stopping), daemon=True,
+                name="kvcached-pd-unmap")
+            self._unmapper.start()
+
     def _unmap_idle_peers(self) -> None:
         """Forget IPC peers unused for ``idle_unmap_s``: their mapping is what keeps a
         dead P's staging allocated on the GPU."""
         now = time.monotonic()
-        busy = {id(read.wire) for read in self.inflight.values()}
-        busy |= {id(notify[0]) for *_, notify in self.releasing if notify is not None}
-        for key, future in list(self._peers.items()):
-            if not future.done() or future.exception() is not None:
-                continue
-            wire = future.result()
-            if (wire.name != "ipc" or id(wire) in busy
-                    or now - wire.last_used < self.idle_unmap_s):
-                continue
-            del self._peers[key]
-            wire.close()
+        with self._lock:
+            idle = []
+            for key, future in list(self._peers.items()):
+                if not future.done() or future.exception() is not None:
+                    continue
+                wire = future.result()
+                if wire.close_if_idle(self.idle_unmap_s, now):
+                    del self._peers[key]
+                    idle.append(wire)
+        for wire in idle:
             logger.info("kvcached-pd: unmapped prefill %s rank %d's staging after %.0f s "
                         "without requests (its next request maps it again)",
                         wire.handshake.engine_id, wire.handshake.tp_rank, self.idle_unmap_s)
@@ -670,6 +681,8 @@ class DecodeWorker:
         self.invalid_blocks.update(read.order.block_ids)
         self.finished.add(req_id)
         self.failed.add(req_id)
+        if read.wire is not None:
+            read.wire.finished_with(read)
         if read.extent is not None:
             self.releasing.append((None, after, read.extent, None))
 
@@ -699,6 +712,8 @@ class DecodeWorker:
                            f"{future.exception()}")
                 continue
             wire = future.result()
+            if wire.name == "ipc":
+                self._start_unmapper()
             if wire.fell_back and id(wire) not in self._counted:
                 self._counted.add(id(wire))
                 self.samples.setdefault("wire_fallbacks", []).append(1)
@@ -720,6 +735,8 @@ class DecodeWorker:
                 self._usage_changed()
             try:
                 wire.post(read)
+            except WireClosed:
+                continue  # unmapped as idle just now: the next step maps it again
             except Exception as exc:  # noqa: BLE001 - the request's load fails, D lives
                 del self.queued[req_id]
                 self._fail(req_id, read, f"the {wire.name} transfer did not start: {exc}")
@@ -823,6 +840,7 @@ class DecodeWorker:
             if notify is not None:
                 wire, message, req_id = notify
                 self.read.add(req_id)
+                wire.finished_with(None)
                 try:
                     wire.send(message)
                 except Exception as exc:  # noqa: BLE001 - P frees it at its lease
@@ -847,6 +865,22 @@ class DecodeWorker:
         return unread, read
 
     def close(self) -> None:
+        self._stopping.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._claims is not None:
             self._claims.close()
+
+
+def _unmap_loop(ref: "weakref.ref[DecodeWorker]", stopping: threading.Event) -> None:
+    while True:
+        worker = ref()
+        if worker is None:
+            return
+        interval = min(1.0, worker.idle_unmap_s / 2)
+        try:
+            worker._unmap_idle_peers()
+        except Exception as exc:  # noqa: BLE001 - never let the thread die silently
+            logger.warning("kvcached-pd: unmapping idle CUDA IPC peers failed: %s", exc)
+        del worker
+        if stopping.wait(interval):
+            return

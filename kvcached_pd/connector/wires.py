@@ -28,6 +28,7 @@ A third wire (RDMA across nodes, say) is one more class here and one more branch
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -37,6 +38,10 @@ from kvcached_pd.connector.wire import Done, RankHandshake, WireError
 from kvcached_pd.transport import cuda_ipc
 
 logger = logging.getLogger("kvcached_pd")
+
+
+class WireClosed(RuntimeError):
+    """The peer's mapping was dropped for idleness between lookup and use: map again."""
 
 
 class NixlWire:
@@ -78,6 +83,12 @@ class NixlWire:
     def send(self, message: bytes) -> None:
         self.region.agent.send(self.peer, message)
 
+    def finished_with(self, read: Any) -> None:
+        pass
+
+    def close_if_idle(self, idle_s: float, now: float) -> bool:
+        return False  # a NIXL peer holds no memory of P's
+
 
 class IpcWire:
     name = "ipc"
@@ -91,16 +102,36 @@ class IpcWire:
         self.mapped = mapped
         self.why = why
         self.fell_back = False
+        # posted reads not finished yet, and when the last one finished (close_if_idle);
+        # D's engine thread and its unmap thread both touch them
+        self._lock = threading.Lock()
+        self.users = 0
         self.last_used = time.monotonic()
 
     def post(self, read: Any) -> None:
         params = read.params
-        self.mapped.extent(params.offset, params.nbytes)  # raises when outside P's staging
-        self.last_used = time.monotonic()
+        with self._lock:
+            if self.mapped is None:
+                raise WireClosed(f"prefill {self.handshake.engine_id}'s staging was unmapped")
+            self.mapped.extent(params.offset, params.nbytes)  # raises outside P's staging
+            self.users += 1
+            self.last_used = time.monotonic()
 
-    def close(self) -> None:
-        """Drop the mapping (torch closes the IPC handle with the last reference)."""
-        self.mapped = None
+    def finished_with(self, read: Any) -> None:
+        """A posted read is done with P's staging (its DONE sent, or its load failed)."""
+        with self._lock:
+            self.users -= 1
+            self.last_used = time.monotonic()
+
+    def close_if_idle(self, idle_s: float, now: float) -> bool:
+        """Drop the mapping when no read uses it and none came for ``idle_s``: torch
+        closes the IPC handle with the last reference, and only then can the GPU free P's
+        staging once P is gone. True when it was dropped."""
+        with self._lock:
+            if self.mapped is None or self.users or now - self.last_used < idle_s:
+                return False
+            self.mapped = None
+            return True
 
     def state(self, read: Any) -> str:
         return "DONE"  # nothing in flight: the unpack reads P's memory
