@@ -63,17 +63,20 @@ def process_tree(root: int, proc_dir: str = "/proc") -> set[int]:
     return tree
 
 
-def compute_apps_mib() -> dict[int, float] | None:
-    """Device memory (MiB) per process id, as the driver reports it; None without it."""
+def _nvidia_smi(query: str) -> str | None:
+    """nvidia-smi's CSV answer to one query (no header, no units); None without it."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                              "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=20)
+        out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if out.returncode != 0:
-        return None
-    return parse_compute_apps(out.stdout)
+    return out.stdout if out.returncode == 0 else None
+
+
+def compute_apps_mib() -> dict[int, float] | None:
+    """Device memory (MiB) per process id, as the driver reports it; None without it."""
+    text = _nvidia_smi("--query-compute-apps=pid,used_memory")
+    return None if text is None else parse_compute_apps(text)
 
 
 def parse_compute_apps(text: str) -> dict[int, float]:
@@ -104,15 +107,8 @@ def gpu_used_mib() -> dict[str, float] | None:
     """Device memory in use per GPU (MiB, nvidia-smi's index -> memory.used): what every
     process holds together, including memory one process exported and another mapped,
     which no per-process figure shows."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used",
-                              "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    return parse_gpu_used(out.stdout)
+    text = _nvidia_smi("--query-gpu=index,memory.used")
+    return None if text is None else parse_gpu_used(text)
 
 
 def parse_gpu_used(text: str) -> dict[str, float]:

@@ -470,15 +470,7 @@ def test_a_staged_read_nixl_refuses_fails_the_load_and_frees_the_extent(staged_e
         raise RuntimeError("NIXL_ERR_BACKEND (injected)")
 
     agent.agent.transfer = transfer
-    invalid = []
-    real_errors = d.worker.get_block_ids_with_load_errors
-
-    def load_errors():
-        blocks = real_errors()
-        invalid.extend(blocks)
-        return blocks
-
-    d.worker.get_block_ids_with_load_errors = load_errors
+    invalid = pd.record_load_errors(d)
     prompt = list(range(3, 40))
     p.sched.add_request(pd.prefill_request("x1", prompt))
     assert pd.run([p], lambda: "x1" in p.outputs)

@@ -294,6 +294,27 @@ def decode_request(req_id: str, prompt: list[int], params: dict, max_tokens: int
     return req
 
 
+def prefilled(p: Engine, req_id: str, prompt: list[int]) -> dict:
+    """Run ``req_id`` through P alone; the kv_transfer_params P hands the decode leg."""
+    p.sched.add_request(prefill_request(req_id, prompt))
+    assert run([p], lambda: req_id in p.outputs)
+    return p.outputs[req_id].kv_transfer_params
+
+
+def record_load_errors(d: Engine) -> list[int]:
+    """Every block id D's worker reports as failed to load, from now on."""
+    seen: list[int] = []
+    real = d.worker.get_block_ids_with_load_errors
+
+    def load_errors():
+        blocks = real()
+        seen.extend(blocks)
+        return blocks
+
+    d.worker.get_block_ids_with_load_errors = load_errors
+    return seen
+
+
 def run(engines: list[Engine], until, timeout_s: float = 30.0) -> bool:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
