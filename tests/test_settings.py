@@ -139,23 +139,23 @@ def test_a_number_setting_takes_ascii_digits_only(name, raw):
     """``str.isdigit`` accepts "²", which ``int`` then refuses: the side-channel port
     raised ValueError instead of a settings problem; ``int`` also reads other scripts'
     digits and underscores as numbers."""
-    s = config.read_settings(KNOWN, {name: raw})
+    s = config.read_settings({name: raw})
     assert len(s.problems) == 1 and s.problems[0].startswith(f"{name}=")
 
 
 def test_the_side_channel_secret_is_read_from_its_file_and_never_shown(tmp_path):
     name = config.KVCACHED_PD_SIDE_CHANNEL_SECRET_FILE
-    assert config.read_settings(KNOWN, {}).side_channel_secret is None
+    assert config.read_settings({}).side_channel_secret is None
     secret = tmp_path / "secret"
     secret.write_text("  " + "ab" * 16 + "\n")
-    s = config.read_settings(KNOWN, {name: str(secret)})
+    s = config.read_settings({name: str(secret)})
     assert s.side_channel_secret == b"ab" * 16 and not s.problems
     assert ("ab" * 16) not in repr(s)
     for content, problem in (("short", "holds 5 bytes"), ("x" * 5000, "more than 4096")):
         secret.write_text(content)
-        s = config.read_settings(KNOWN, {name: str(secret)})
+        s = config.read_settings({name: str(secret)})
         assert s.side_channel_secret is None and len(s.problems) == 1
         assert problem in s.problems[0] and s.problems[0].startswith(f"{name}=")
     for path, problem in ((tmp_path / "missing", "cannot be read"), (tmp_path, "not a regular")):
-        s = config.read_settings(KNOWN, {name: str(path)})
+        s = config.read_settings({name: str(path)})
         assert len(s.problems) == 1 and problem in s.problems[0], s.problems

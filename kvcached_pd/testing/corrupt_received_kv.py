@@ -21,7 +21,6 @@ from typing import Any
 
 from kvcached_pd import vllm_nixl
 from kvcached_pd.patches.base import Patch
-from kvcached_pd.transport.format import TAG_BYTES
 from kvcached_pd.versions import SUPPORTED_VLLM
 
 logger = logging.getLogger("kvcached_pd")
@@ -73,6 +72,8 @@ def _make_unpack_hook(original):
     @functools.wraps(original)
     def _unpack(self, req_id, read):
         # the KV bytes the unpack reads, on either wire (D's staging or P's), less the tag
+        from kvcached_pd.transport.format import TAG_BYTES  # torch: only once armed
+
         view = self._source(read)[: read.params.nbytes - TAG_BYTES]
         view.bitwise_not_()
         logger.warning("kvcached-pd TEST: inverted the %d bytes of request %s's staged extent "
