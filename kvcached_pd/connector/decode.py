@@ -107,6 +107,10 @@ PROBE_RETRY_S = 300.0  # a P found not to answer claims is asked again after thi
 # 2 GiB per P rank on the tiny model) until D drops it: after this long without a
 # request from that peer; its next request maps it again (one handshake, ~ms).
 IDLE_UNMAP_S = 30.0
+# A failed handshake fails the requests of that peer that meet it; a new one is tried
+# for requests that come this long after it failed (retrying at every engine step left
+# them waiting for their deadline: half of P's lease, 240 s on vLLM 0.20).
+HANDSHAKE_RETRY_S = 5.0
 # Probes run at once at most; each takes up to PROBE_TIMEOUT_S on a dead target, so
 # requests naming dead or forged targets cannot queue a real P's probe behind theirs:
 # with every worker busy a new target is answered "no" (vLLM's push) and asked again by
@@ -618,8 +622,11 @@ class DecodeWorker:
         key = (*_peer_key(params), self.region.tp_rank)
         with self._lock:
             future = self._peers.get(key)
-            if future is None or (future.done() and future.exception() is not None):
+            failed_at = getattr(future, "done_at", None)  # set once it failed (_stamp)
+            if future is None or (failed_at is not None and future.exception() is not None
+                                  and time.monotonic() - failed_at > HANDSHAKE_RETRY_S):
                 future = self._pool.submit(self._handshake, params)
+                future.add_done_callback(_stamp)
                 self._peers.pop(key, None)
                 self._peers[key] = future
                 if len(self._peers) > MAX_PEERS:
@@ -869,6 +876,10 @@ class DecodeWorker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._claims is not None:
             self._claims.close()
+
+
+def _stamp(future: Future) -> None:
+    future.done_at = time.monotonic()
 
 
 def _unmap_loop(ref: "weakref.ref[DecodeWorker]", stopping: threading.Event) -> None:
