@@ -44,9 +44,12 @@ class WireClosed(RuntimeError):
     """The peer's mapping was dropped for idleness between lookup and use: map again."""
 
 
-class NixlWire:
-    name = "nixl"
-    uses_staging = True
+class _Wire:
+    """What both wires hold: the peer rank's NIXL agent name and handshake, and why this
+    wire serves it."""
+
+    name = ""
+    uses_staging = False
 
     def __init__(self, region: Any, peer: str, handshake: RankHandshake, why: str) -> None:
         self.region = region
@@ -54,6 +57,14 @@ class NixlWire:
         self.handshake = handshake
         self.why = why
         self.fell_back = False  # an IPC open failed on this host (counted once)
+
+    def send(self, message: bytes) -> None:
+        self.region.agent.send(self.peer, message)
+
+
+class NixlWire(_Wire):
+    name = "nixl"
+    uses_staging = True
 
     def post(self, read: Any) -> None:
         params = read.params
@@ -80,9 +91,6 @@ class NixlWire:
     def done_message(self, read: Any) -> bytes | None:
         return None  # NIXL delivered it with the READ
 
-    def send(self, message: bytes) -> None:
-        self.region.agent.send(self.peer, message)
-
     def finished_with(self, read: Any) -> None:
         pass
 
@@ -90,18 +98,13 @@ class NixlWire:
         return False  # a NIXL peer holds no memory of P's
 
 
-class IpcWire:
+class IpcWire(_Wire):
     name = "ipc"
-    uses_staging = False
 
     def __init__(self, region: Any, peer: str, handshake: RankHandshake,
                  mapped: cuda_ipc.MappedStaging, why: str) -> None:
-        self.region = region
-        self.peer = peer
-        self.handshake = handshake
+        super().__init__(region, peer, handshake, why)
         self.mapped = mapped
-        self.why = why
-        self.fell_back = False
         # posted reads not finished yet, and when the last one finished (close_if_idle);
         # D's engine thread and its unmap thread both touch them
         self._lock = threading.Lock()
@@ -149,8 +152,6 @@ class IpcWire:
     def done_message(self, read: Any) -> bytes | None:
         return Done(read.params.request_id, self.region.tp_rank, read.params.token).encode()
 
-    def send(self, message: bytes) -> None:
-        self.region.agent.send(self.peer, message)
 
 
 def choose_wire(policy: str, region: Any, peer: str, handshake: RankHandshake):
