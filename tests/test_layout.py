@@ -1,6 +1,7 @@
 """The KV layout as vLLM itself resolves it, with and without kvcached-pd.
 
-Each case runs in a fresh interpreter, through the real activation path (the
+Each case runs in a process where kvcached-pd never ran (forked: ``tests.support.subproc``),
+through the real activation path (the
 ``vllm.general_plugins`` entry point vLLM loads), and asks vLLM's own resolver:
 ``get_kv_connector_cache_layout`` up to 0.28, ``resolve_kv_cache_layout`` (run once
 in the EngineCore) from 0.29.
@@ -38,7 +39,7 @@ TOKEN_MAJOR = {"NHD", "LBNHC"}
 
 def resolve(connector: str, **env) -> str:
     code = RESOLVE.replace("CONNECTOR", repr(connector))
-    return subproc.run_json(code, env=subproc.clean_env(**env))["layout"]
+    return subproc.run_forked_json(code, env=subproc.clean_env(**env))["layout"]
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)

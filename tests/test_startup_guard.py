@@ -2,7 +2,8 @@
 ``kvcached-pd doctor`` predicts it: for the same environment it exits 1 exactly when
 startup refuses.
 
-Each case is a fresh interpreter activated through vLLM's own plugin loader; the
+Each case is a process where kvcached-pd never ran, activated through vLLM's own plugin
+loader (forked from a server that imported vLLM once: ``tests.support.subproc``); the
 connector is requested through vLLM's real ``KVConnectorFactory.create_connector``,
 the call every scheduler and worker makes before anything is served.
 """
@@ -36,12 +37,12 @@ GOOD = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_CONTIGUOUS_
 def create(connector: str = "NixlConnector", **env) -> str | None:
     code = CREATE.replace("write_tiny_llama(tempfile.mkdtemp()))",
                           f"write_tiny_llama(tempfile.mkdtemp()), connector={connector!r})")
-    return subproc.run_json(code, env=subproc.clean_env(**env))["error"]
+    return subproc.run_forked_json(code, env=subproc.clean_env(**env))["error"]
 
 
 def doctor(**env):
-    return subproc.run("from kvcached_pd.cli import main; raise SystemExit(main(['doctor']))",
-                       env=subproc.clean_env(**env))
+    return subproc.run_forked("from kvcached_pd.cli import main; raise SystemExit(main(['doctor']))",
+                              env=subproc.clean_env(**env))
 
 
 def kvcached_on_path() -> dict[str, str]:
@@ -143,7 +144,7 @@ def test_hybrid_model_is_refused_when_the_connector_is_created():
         1,
     )
     env = subproc.clean_env(**GOOD, **kvcached_on_path())
-    error = subproc.run_json(code, env=env)["error"]
+    error = subproc.run_forked_json(code, env=env)["error"]
     assert error is not None and error.startswith("UnsupportedConfiguration")
     assert "cannot describe hybrid/mamba KV caches" in error
 
@@ -160,7 +161,7 @@ def test_staging_larger_than_the_device_stops_the_worker_connector():
         "torch.cuda.mem_get_info = lambda *a: (512 << 20, 80 << 30)",
     )
     env = subproc.clean_env(**GOOD, KVCACHED_PD_STAGING_MB="99999999", **kvcached_on_path())
-    error = subproc.run_json(code, env=env)["error"]
+    error = subproc.run_forked_json(code, env=env)["error"]
     assert error is not None and error.startswith("UnsupportedConfiguration")
     assert "KVCACHED_PD_STAGING_MB=99999999 MiB of staging does not fit: 512 MiB free" in error
 
@@ -209,7 +210,7 @@ def test_unsupported_vllm_version_stops_nixl_startup():
         "load_general_plugins()",
     )
     env = subproc.clean_env(**GOOD, **kvcached_on_path())
-    error = subproc.run_json(code, env=env)["error"]
+    error = subproc.run_forked_json(code, env=env)["error"]
     assert error is not None and "vLLM 0.19.1 is outside the range" in error
 
 
