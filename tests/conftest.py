@@ -9,7 +9,10 @@ import pytest
 from kvcached_pd import config
 from kvcached_pd.versions import installed_version, parse_release
 
+from tests.support import nixl_quiet
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+nixl_quiet.arm()  # NIXL's progress threads poll every 1 ms, not in a busy loop
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 
 # Every variable kvcached-pd reads (the declared list), so a developer's shell never
