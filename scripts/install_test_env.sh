@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a CPU virtualenv holding a real vLLM release, NIXL and kvcached-pd's test deps.
 #
-# usage: scripts/install_test_env.sh VENV_DIR VLLM_VERSION [SHARED_TORCH_DIR]
+# usage: scripts/install_test_env.sh VENV_DIR VLLM_VERSION [SHARED_TORCH_DIR [BASE_VENV]]
 #
 # vLLM's wheels pin a CUDA torch; vLLM goes in with --no-deps, followed by its own
 # declared requirements minus the GPU-only ones, against torch 2.13.0. Whatever build of
@@ -16,6 +16,10 @@ set -euo pipefail
 VENV=${1:?usage: install_test_env.sh VENV_DIR VLLM_VERSION [SHARED_TORCH_DIR]}
 VLLM_VERSION=${2:?usage: install_test_env.sh VENV_DIR VLLM_VERSION [SHARED_TORCH_DIR]}
 SHARED_TORCH=${3:-}
+# BASE_VENV: a venv of another release to start from (a copy); every step below then runs
+# as usual and pip changes only what this release requires differently. The copy may keep
+# a package the other release needed and this one does not (nothing here imports one).
+BASE_VENV=${4:-}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # vLLM is installed without its GPU-only requirements on purpose, so every later pip
@@ -25,7 +29,11 @@ quiet() {
   grep -v -E "^(WARNING: Location|ERROR: pip's dependency resolver|.* requires .*(, but you have|which is not installed)|.* which is incompatible)" || true
 }
 
-python3 -m venv "$VENV"
+if [ -n "$BASE_VENV" ]; then
+  cp -a "$BASE_VENV" "$VENV"
+else
+  python3 -m venv "$VENV"
+fi
 PY="$VENV/bin/python"
 if [ -n "$SHARED_TORCH" ]; then
   if [ ! -f "$SHARED_TORCH/.complete" ]; then
