@@ -89,23 +89,24 @@ def _widest_word(tensors: Sequence[torch.Tensor]) -> torch.dtype:
 
 
 def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host buffer's bytes on the cache's device without draining the stream: a copy
-    from pageable memory would block the host until all queued work (vLLM's forward
-    too) is done, so on CUDA the buffer is pinned and copied asynchronously."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    """A :func:`_host_buffer` on the cache's device, without draining the stream (it is
+    pinned on CUDA)."""
+    return host.to(device, non_blocking=device.type == "cuda")
 
 
-def _host_buffer(ids: array.array, tag: bytes | None = None) -> tuple[torch.Tensor, int]:
+def _host_buffer(ids: array.array, device: torch.device,
+                 tag: bytes | None = None) -> tuple[torch.Tensor, int]:
     """``tag`` then the block ids (int64) in ONE host buffer, and where the ids start.
 
-    One buffer, so one pinned allocation per call (:func:`_on_device`): before, the ids
-    went through ``torch.as_tensor`` then ``pin_memory()`` and the tag through a second
+    Pinned for a CUDA device, so that its copy does not drain the stream (a copy from
+    pageable memory would block the host until all queued work, vLLM's forward too, is
+    done). One buffer, so one pinned allocation per call: before, the ids went through
+    ``torch.as_tensor`` then ``pin_memory()`` and the tag through a second
     ``pin_memory()``, three host tensors per pack. The tag is ``TAG_BYTES`` (32) long,
     so the ids that follow stay 8-byte aligned for the int64 view."""
     head = tag or b""
-    return torch.frombuffer(bytearray(head + ids.tobytes()), dtype=torch.uint8), len(head)
+    host = torch.frombuffer(bytearray(head + ids.tobytes()), dtype=torch.uint8)
+    return (host.pin_memory() if device.type == "cuda" else host), len(head)
 
 
 def _ids_view(buffer: torch.Tensor, at: int, count: int) -> torch.Tensor:
@@ -200,7 +201,7 @@ def pack_request(
     n_tok_slots = num_blocks * block_size
     packed = packed_extent_view(out_extent, fmt, n_tok_slots)
     _check_same_device(packed, layers)
-    host, at = _host_buffer(ids, tag)
+    host, at = _host_buffer(ids, layers.device, tag)
     _record_start(started, layers.device)
     device_buffer = _on_device(host, layers.device)
     _pack_kv(layers, _ids_view(device_buffer, at, num_blocks), packed)
@@ -275,7 +276,7 @@ def unpack_request(
         )
     packed = packed_extent_view(in_extent, fmt, src_tok_slots)
     _check_same_device(packed, layers)
-    host, at = _host_buffer(ids)
+    host, at = _host_buffer(ids, layers.device)
     _record_start(started, layers.device)
     if first_token:
         # The remaining tokens as an extent of their own (one device copy), so both
