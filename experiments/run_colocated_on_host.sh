@@ -13,7 +13,9 @@
 #   PART b (~8.5 min): load, kvbig 48 requests 8 at a time (2 repeats) with the TTFT batch
 #          8 x 3000 tokens, then tiny 64 requests 16 at a time (3 repeats): the no-PD
 #          reference, vanilla PD, kvcached-pd pull and push (push legs sent at once), each
-#          instance's GPU memory before, under (sampled peak) and after the load, and idle.
+#          instance's GPU memory before, under (sampled peak) and after the load, and idle;
+#          KVCACHED_PD_TRACE=1 (--trace): the per-stage timeline of where the TTFT goes
+#          (results/2026-11-25-h100-colocated/where-the-time-goes.md had no trace of the load).
 #   PART c (~6 min): equivalence with D's prefix cache on, push legs sent at once: reference,
 #          vanilla, staged pull and push on kvcached's default (contiguous) layout and on
 #          the split layout, mixed fleets both ways, P16/D32, the negative control (must
@@ -103,9 +105,9 @@ a)
 b)
   traffic kvbig $(( $(left) * 11 / 20 )) --model "$KVBIG" --modes vanilla,kvpd-staged,kvpd-push \
     --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 --settle-s 20 \
-    --expect-wire ipc "${GPU_ARGS[@]}"
+    --expect-wire ipc --trace "${GPU_ARGS[@]}"
   traffic tiny $(( $(left) - 25 )) --model "$TINY" --modes vanilla,kvpd-staged,kvpd-push \
-    --push-concurrent --repeats 3 --settle-s 20 --expect-wire ipc "${GPU_ARGS[@]}"
+    --push-concurrent --repeats 3 --settle-s 20 --expect-wire ipc --trace "${GPU_ARGS[@]}"
   ;;
 c)
   run timeout $(( $(left) - 15 )) bash "$HERE/equivalence.sh" "$W/eq" reference vanilla \

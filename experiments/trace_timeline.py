@@ -9,12 +9,22 @@ request (D's ``remote_req`` is P's request id) and prints, per mode and KV size,
 median of each stage (milliseconds):
 
   d_arrival_to_alloc   D: request arrival -> its blocks allocated (kvcached maps pages here)
+  d_arrival_to_match   D: request arrival -> the scheduler first takes it as staged (the
+                       API server's hand-off and the wait for an engine step)
+  d_match_to_alloc     D: taken as staged -> blocks allocated (vLLM's allocation, with
+                       kvcached mapping the pages beyond its reserve)
   d_alloc_to_post      D: blocks allocated -> staged READ posted (next start_load_kv)
   d_read_seen          D: READ posted -> scatter enqueued (the wire plus polling, the
                        in-step spin included: KVCACHED_PD_READ_SPIN_US)
   d_seen_to_reported   D: scatter enqueued -> the scheduler learns the load (next step)
+  d_reported_to_compute D: the scheduler learnt the load -> the step running the request's
+                       own forward (its first token on D) is scheduled
+  d_unpack_host        D: host time of the scatter call (``read_done`` host_ms)
+  d_tag                D: host time of the tag read shared by the step's loads
   p_arrival_to_order   P: request arrival -> pack ordered (the prefill's scheduling + chunks)
+  p_arrival_to_admit   P: request arrival -> its extent reserved (waits while staging is full)
   p_pack_device        P: device time of the pack kernels
+  p_pack_host          P: host time of the step's pack calls
   p_finish_to_d_alloc  P finished -> D allocated (response, proxy/client, D's scheduling)
   p_held               P: finished -> extent released (D's DONE, or P's blocks freed)
 
@@ -36,8 +46,10 @@ from statistics import median
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kvcached_pd.transport.trace import parse_line
 
-STAGES = ("d_arrival_to_alloc", "d_alloc_to_post", "d_read_seen", "d_seen_to_reported",
-          "p_arrival_to_order", "p_pack_device", "p_finish_to_d_alloc", "p_held")
+STAGES = ("d_arrival_to_alloc", "d_arrival_to_match", "d_match_to_alloc", "d_alloc_to_post",
+          "d_read_seen", "d_tag", "d_unpack_host", "d_seen_to_reported",
+          "d_reported_to_compute", "p_arrival_to_admit", "p_arrival_to_order",
+          "p_pack_device", "p_pack_host", "p_finish_to_d_alloc", "p_held")
 _LOG = re.compile(r"^(?P<mode>.+)-(?P<role>prefill|decode)\.log$")
 
 
@@ -73,16 +85,28 @@ def timelines(prefill: list[dict], decode: list[dict]) -> list[dict]:
         if not (posted and done):
             continue
         p = p_reqs.get(str(posted.get("remote_req")), {})
-        row = {"bytes": posted.get("bytes"), "d_read_seen": done.get("handoff_ms")}
+        row = {"bytes": posted.get("bytes"), "d_read_seen": done.get("handoff_ms"),
+               "d_tag": done.get("tag_ms"), "d_unpack_host": done.get("host_ms")}
+        match = d.get("d_match")
         if alloc:
             row["d_arrival_to_alloc"] = alloc.get("since_arrival_ms")
             row["d_alloc_to_post"] = 1e3 * (posted["t"] - alloc["t"])
+        if match:
+            row["d_arrival_to_match"] = match.get("since_arrival_ms")
+            if alloc:
+                row["d_match_to_alloc"] = 1e3 * (alloc["t"] - match["t"])
         if "d_recv_reported" in d:
             row["d_seen_to_reported"] = 1e3 * (d["d_recv_reported"]["t"] - done["t"])
+            if "d_compute_scheduled" in d:
+                row["d_reported_to_compute"] = 1e3 * (d["d_compute_scheduled"]["t"]
+                                                      - d["d_recv_reported"]["t"])
+        if "p_admit" in p:
+            row["p_arrival_to_admit"] = p["p_admit"].get("since_arrival_ms")
         if "pack_ordered" in p:
             row["p_arrival_to_order"] = p["pack_ordered"].get("since_arrival_ms")
         if "packed" in p:
             row["p_pack_device"] = p["packed"].get("device_ms")
+            row["p_pack_host"] = p["packed"].get("host_ms")
         if "p_finished" in p and alloc:
             row["p_finish_to_d_alloc"] = 1e3 * (alloc["t"] - p["p_finished"]["t"])
         if "p_released" in p:
@@ -115,13 +139,14 @@ def summarize(log_dir: str) -> dict[str, list[dict]]:
 def render(summary: dict[str, list[dict]]) -> str:
     if not summary:
         return "no kvcached-pd trace events (KVCACHED_PD_TRACE=1 not set?)\n"
-    short = [s.replace("_to_", ">").replace("d_", "").replace("p_", "P ") for s in STAGES]
-    hdr = f"{'mode':<28} {'MiB':>7} {'n':>3} " + " ".join(f"{h:>12}" for h in short)
+    short = [("P " + s[2:] if s.startswith("p_") else s[2:]).replace("_to_", ">")
+             for s in STAGES]  # prefixes only ("d_read_seen" once read "reaseen")
+    hdr = f"{'mode':<28} {'MiB':>7} {'n':>3} " + " ".join(f"{h:>10}" for h in short)
     lines = ["Staged handoff timeline, medians in ms (experiments/trace_timeline.py):", hdr,
              "-" * len(hdr)]
     for mode, table in summary.items():
         for e in table:
-            cells = " ".join(f"{'-' if e[s] is None else format(e[s], '.3f'):>12}" for s in STAGES)
+            cells = " ".join(f"{'-' if e[s] is None else format(e[s], '.3f'):>10}" for s in STAGES)
             lines.append(f"{mode:<28} {e['mib']:>7.1f} {e['n']:>3} {cells}")
     return "\n".join(lines) + "\n"
 

@@ -4,6 +4,8 @@ DONE still travels as a NIXL notification), CUDA IPC replaced by an in-process f
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import time
 
@@ -12,11 +14,14 @@ import pytest
 from kvcached_pd import vllm_api
 from kvcached_pd.connector import decode as decode_mod
 from kvcached_pd.connector import prefill as prefill_mod
+from kvcached_pd.connector.tokens import new_token
+from kvcached_pd.connector.wire import PARAMS_KEY
 from kvcached_pd.connector.region import StagingAgent
 from tests.support import connector_pd as pd
 from tests.support import fake_cuda_ipc
 from tests.test_connector_pd import (  # noqa: F401 - staged_env is a fixture
     handoff,
+    loaded,
     saw_done,
     settle,
     staged_env,
@@ -222,3 +227,54 @@ def test_an_idle_peer_is_unmapped_and_mapped_again_at_its_next_request(staged_en
     params, p_blocks, d_blocks = handoff(p, d, "r2", prompt)
     assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
     assert wire_of(d).name == "ipc" and len(ipc.opened) == 2
+
+
+def test_loads_done_in_one_step_share_one_tag_read_and_a_bad_one_fails_alone(
+        staged_env, ipc, monkeypatch, caplog):
+    """Three loads that complete in one poll of D: their tags come back in one
+    device-to-host read (``read_tags``; one synchronous read each cost tens of us of
+    host time on the H100). One carries another token (its tag check fails), one meets
+    a repeated block id (``unpack_request`` refuses it before any device work): each
+    fails alone, and the third receives its exact KV."""
+    caplog.set_level(logging.ERROR, logger="kvcached_pd")
+    batches = []
+    real_read_tags = decode_mod.read_tags
+
+    def read_tags(extents, stream=None):
+        batches.append(len(extents))
+        return real_read_tags(extents, stream)
+    monkeypatch.setattr(decode_mod, "read_tags", read_tags)
+    real_scatter = decode_mod.DecodeWorker._scatter
+
+    def scatter(self, req_id, read, src):
+        if req_id == "d-ids":
+            ids = read.order.block_ids
+            read.order = dataclasses.replace(read.order, block_ids=(ids[0],) * len(ids))
+        return real_scatter(self, req_id, read, src)
+    monkeypatch.setattr(decode_mod.DecodeWorker, "_scatter", scatter)
+
+    p = pd.make_engine("p", "kv_producer", seed=21)
+    d = pd.make_engine("d", "kv_consumer", seed=22)
+    prompts = {"good": list(range(1, 41)), "token": list(range(101, 141)),
+               "ids": list(range(201, 241))}
+    params = {name: pd.prefilled(p, name, prompt) for name, prompt in prompts.items()}
+    params["token"] = copy.deepcopy(params["token"])
+    params["token"][PARAMS_KEY]["token"] = new_token().hex()
+    p_blocks = list(params["good"]["remote_block_ids"][0])
+    invalid = pd.record_load_errors(d)
+    for name, prompt in prompts.items():
+        d.sched.add_request(pd.decode_request("d-" + name, prompt, params[name]))
+    good = {}
+
+    def finished():
+        if not good and loaded(d, "d-good"):
+            good["blocks"] = d.blocks_of("d-good")
+        return all(f"d-{name}" in d.outputs and d.outputs[f"d-{name}"].finished
+                   for name in prompts)
+    assert pd.run([p, d], finished)
+    assert batches and batches[0] == 3, f"the three tags were not read at once: {batches}"
+    assert "another request's token" in caplog.text
+    assert "block ids repeat" in caplog.text
+    assert invalid and not set(invalid) & set(good["blocks"])
+    assert same_kv(p, d, p_blocks, good["blocks"], len(prompts["good"]))
+    assert len(d.series("kvcached_pd_handoff_duration")) == 1, "a bad load was scattered"

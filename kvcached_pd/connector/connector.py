@@ -170,6 +170,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
             meta.wipes = self._prefill.take_wipes()
         if self._decode is not None:
             meta.recvs, meta.cancelled = self._decode.take_orders()
+            self._decode.on_step(scheduler_output)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -79,7 +79,7 @@ import torch
 from kvcached_pd.connector.records import ClaimTarget, RecvOrder
 from kvcached_pd.connector.region import StagingRegion
 from kvcached_pd.connector.side_channel import ClaimClient, claim_port, fetch_handshake
-from kvcached_pd.connector.tokens import extent_check
+from kvcached_pd.connector.tokens import check_tag, read_tag, read_tags
 from kvcached_pd.connector.wires import WireClosed, choose_wire
 from kvcached_pd.connector.wire import (
     CLAIM_WIRE_VERSION,
@@ -97,6 +97,7 @@ from kvcached_pd.connector.wire import (
 from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.pack import unpack_request
 from kvcached_pd.transport.staging import EXPECTED_READ_BYTES_PER_S, Extent
+from kvcached_pd.transport import trace as tracing
 from kvcached_pd.transport.trace import ms_since, trace
 
 logger = logging.getLogger("kvcached_pd")
@@ -224,6 +225,7 @@ class DecodeScheduler:
     refused_peers: dict[str, str] = field(default_factory=dict)  # engine id -> reason
     unnotified_peers: set[str] = field(default_factory=set)  # P block size differs
     samples: dict[str, list[float]] = field(default_factory=dict)
+    computing: set[str] = field(default_factory=set)  # trace: loaded, forward not scheduled
 
     def staged_params(self, request: Any) -> StagedParams | None:
         """The request's staged params when this side can serve them, else None."""
@@ -282,6 +284,8 @@ class DecodeScheduler:
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:
             return None  # a full prefix hit on D: the inner connector only notifies P
+        trace("d_match", request.request_id, tokens=count,
+              since_arrival_ms=ms_since(getattr(request, "arrival_time", None)))
         self.pending[request.request_id] = _Pending(request, staged, num_computed_tokens,
                                                     claim=claim)
         return count, True
@@ -367,6 +371,8 @@ class DecodeScheduler:
         handed = []
         for req_id in req_ids or ():
             trace("d_recv_reported", req_id)
+            if tracing.enabled():
+                self.computing.add(req_id)
             entry = self.pending.pop(req_id, None)
             if entry is None or entry.blocks is None:
                 continue
@@ -402,7 +408,19 @@ class DecodeScheduler:
             "at once; upgrade its kvcached-pd", entry.params.engine_id,
             entry.params.block_size, self.block_size, entry.params.lease_s)
 
+    def on_step(self, scheduler_output: Any) -> None:
+        """Trace only: the step that schedules a loaded request's own forward (the one
+        that yields its first token on D); it should be the step after the scheduler
+        learnt the load (``d_recv_reported``)."""
+        if not self.computing:
+            return
+        scheduled = scheduler_output.num_scheduled_tokens or {}
+        for req_id in [r for r in self.computing if r in scheduled]:
+            self.computing.discard(req_id)
+            trace("d_compute_scheduled", req_id, tokens=int(scheduled[req_id]))
+
     def on_request_finished(self, request: Any) -> None:
+        self.computing.discard(request.request_id)
         if self.parked.pop(request.request_id, None) is not None:
             # its unpack may still read P's staging: vLLM must not notify P now (it does
             # for a request that still asks for a remote prefill); P frees on D's DONE
@@ -443,6 +461,7 @@ class _Read:
     wire: Any = None  # the peer's wire (wires.py), once posted
     posted: float = 0.0
     waited: bool = False  # counted once as waiting for staging room
+    tag_s: float = 0.0  # host time of the tag read it took part in (trace: tag_ms)
 
 
 class DecodeWorker:
@@ -511,6 +530,7 @@ class DecodeWorker:
         that failed, and the blocks that failed to load, since the last call."""
         states = self._await_imminent()
         self._take_claims()
+        ready: list[tuple[str, _Read]] = []  # to unpack, after one read of their tags
         for req_id, read in list(self.inflight.items()):
             state = states.get(req_id) or read.wire.state(read)
             if state == "PROC":
@@ -518,12 +538,7 @@ class DecodeWorker:
             del self.inflight[req_id]
             read.wire.settle(read, self.samples, state)
             if state == "DONE" and req_id not in self.cancelled:
-                try:
-                    self._unpack(req_id, read)
-                except Exception as exc:  # noqa: BLE001 - this request fails, D lives
-                    self._fail(req_id, read, f"its unpack failed: {exc}")
-                    self.cancelled.discard(req_id)
-                    continue
+                ready.append((req_id, read))
             else:
                 if state != "DONE":
                     logger.error("kvcached-pd: staged READ of request %s failed (%s wire, "
@@ -536,6 +551,7 @@ class DecodeWorker:
                                        (read.wire, message, req_id) if message else None))
             self.cancelled.discard(req_id)
             self.finished.add(req_id)
+        self._unpack_ready(ready)
         self._post_queued()
         self._reap()
         finished, self.finished = self.finished, set()
@@ -782,15 +798,57 @@ class DecodeWorker:
                     f"{params.engine_id} advertised")
         return None
 
-    def _unpack(self, req_id: str, read: _Read) -> None:
+    def _unpack_ready(self, ready: list[tuple[str, _Read]]) -> None:
+        """Unpack the loads that completed in this poll, in order: first every tag with
+        one device-to-host read (:func:`~kvcached_pd.connector.tokens.read_tags`, on the
+        tag stream, after each extent's IPC pack event), then each request's check and
+        scatter (:meth:`_unpack`). A request whose extent cannot be read, whose tag is not
+        its own or whose unpack raises fails alone."""
+        if not ready:
+            return
+        tags: dict[str, bytes | Exception] = {}
+        sources: dict[str, torch.Tensor] = {}
+        for req_id, read in ready:
+            try:
+                sources[req_id] = self._tag_source(read)
+            except Exception as exc:  # noqa: BLE001 - this request fails in _unpack
+                tags[req_id] = exc
+        t0 = time.perf_counter()
+        try:
+            tags.update(zip(sources, read_tags(list(sources.values()), self._tag_stream)))
+        except Exception:  # noqa: BLE001 - each request then reads its own tag
+            pass
+        tag_s = time.perf_counter() - t0
+        for req_id, read in ready:
+            read.tag_s = tag_s
+            try:
+                self._unpack(req_id, read, tags.get(req_id))
+            except Exception as exc:  # noqa: BLE001 - this request fails, D lives
+                self._fail(req_id, read, f"its unpack failed: {exc}")
+
+    def _tag_source(self, read: _Read) -> torch.Tensor:
+        """The extent's bytes, with the tag stream ordered after P's pack (IPC wire)."""
+        src = self._source(read)
+        if self._tag_stream is not None:
+            read.wire.before_unpack(read, self._tag_stream)
+        return src
+
+    def _unpack(self, req_id: str, read: _Read, tag: bytes | Exception | None = None) -> None:
         """Check the extent's tag, then scatter it; a tag that is not the request's, or
-        an unpack that raises, fails the request's load (the bytes are never used)."""
+        an unpack that raises, fails the request's load (the bytes are never used).
+        ``tag``: the tag as read by :meth:`_unpack_ready` (None: read it here; an
+        exception: reading it failed)."""
         params = read.params
         try:
+            if isinstance(tag, Exception):
+                raise tag
+            if tag is None:
+                t0 = time.perf_counter()
+                tag = read_tag(self._tag_source(read), self._tag_stream)
+                read.tag_s = time.perf_counter() - t0
             src = self._source(read)
-            if self._tag_stream is not None:
-                read.wire.before_unpack(read, self._tag_stream)  # IPC: after P's pack
-            reason = extent_check(src, params.token, params.offset, self._tag_stream)
+            reason = check_tag(tag, params.token, params.offset,
+                               src.numel() * src.element_size())
             if reason is None:
                 self._scatter(req_id, read, src)
                 return
@@ -807,22 +865,28 @@ class DecodeWorker:
     def _scatter(self, req_id: str, read: _Read, src: torch.Tensor) -> None:
         region = self.region
         order, params = read.order, read.params
+        t0 = time.perf_counter()
         stream, start, end = self._device_events()
         read.wire.before_unpack(read, stream)
-        if start is not None:
-            start.record(stream)
         kernel_ids = region.kernel_ids(list(order.block_ids))
         kbs = region.kernel_block_size
         kernel_ids = kernel_ids[: math.ceil((params.num_tokens - order.first_token) / kbs)]
         if kernel_ids:
+            # the device time starts after the host's checks, at the first device
+            # operation (unpack_request's ``started``); host_ms below is the host's side
             unpack_request(region.layers, kernel_ids, src, region.fmt,
-                           params.num_tokens, params.n_tok_slots, order.first_token)
+                           params.num_tokens, params.n_tok_slots, order.first_token,
+                           started=start)
+        elif start is not None:
+            start.record(stream)
         if end is not None:
             end.record(stream)
+        host_s = time.perf_counter() - t0
         handoff = time.perf_counter() - read.posted
         self.samples.setdefault("handoff_duration", []).append(handoff)
         trace("read_done", req_id, bytes=params.nbytes, handoff_ms=round(1e3 * handoff, 3),
-              wire=read.wire.name)
+              wire=read.wire.name, host_ms=round(1e3 * host_s, 3),
+              tag_ms=round(1e3 * read.tag_s, 3))
         message = read.wire.done_message(read)
         if message:
             self.unread.add(req_id)

@@ -129,6 +129,8 @@ class PrefillScheduler:
                             "%s (%d MiB) waits for room", self.allocator.used_bytes >> 20,
                             self.allocator.capacity_bytes >> 20, req_id, nbytes >> 20)
             return False
+        trace("p_admit", req_id, bytes=nbytes, waited=req_id in self.waiting,
+              since_arrival_ms=ms_since(getattr(request, "arrival_time", None)))
         self.waiting.discard(req_id)
         self.staged[req_id] = _Staged(extent)
         self.blocks[req_id] = []
@@ -232,7 +234,10 @@ class PrefillScheduler:
                 self.wipes.append(Wipe(req_id, entry.extent.offset, entry.extent.nbytes))
             self.allocator.free(entry.extent)
             self._usage_changed()
-            trace("p_released", req_id, held_ms=ms_since(entry.finished_at or None))
+            # finished_at is time.monotonic(): ms_since (wall clock) gave ~1.8e12 ms
+            held_ms = (round(1e3 * (time.monotonic() - entry.finished_at), 3)
+                       if entry.finished_at else None)
+            trace("p_released", req_id, held_ms=held_ms)
 
     def take_wipes(self) -> list[Wipe]:
         wipes, self.wipes = self.wipes, []
@@ -255,6 +260,7 @@ class PrefillWorker:
     sync_pack: bool = False  # speculative decoding: vLLM samples before wait_for_save
     # how long a request's release bookkeeping is kept (twice P's lease + margin)
     horizon_s: float = 120.0
+    # (request ids, bytes, start event, end event, host seconds) of packs not reaped yet
     packing: list[tuple[str, int, Any, Any, float]] = field(default_factory=list)
     samples: dict[str, list[float]] = field(default_factory=dict)
     _done: set[tuple[str, int]] = field(default_factory=set)  # DONEs not reported yet
@@ -290,15 +296,18 @@ class PrefillWorker:
         if region.buffer.tensor.is_cuda:
             stream = torch.cuda.current_stream(region.buffer.tensor.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-        for req_id, order in packs.items():
+        for i, (req_id, order) in enumerate(packs.items()):
             kernel_ids = region.kernel_ids(list(order.block_ids))
             if len(kernel_ids) * region.kernel_block_size != order.n_tok_slots:
                 raise RuntimeError(
                     f"kvcached-pd: request {req_id}: the scheduler planned {order.n_tok_slots} "
                     f"token slots, the worker has {len(kernel_ids) * region.kernel_block_size}")
+            # the device time starts at the step's first device operation, after that
+            # pack's host checks (pack_request's ``started``); host_ms in the trace
+            # (``packed``) is the host's side of the same calls
             pack_request(region.layers, kernel_ids, region.region(order.offset, order.nbytes),
-                         region.fmt, tag_bytes(order.token, order.offset, order.nbytes))
+                         region.fmt, tag_bytes(order.token, order.offset, order.nbytes),
+                         started=start if i == 0 else None)
             self._tokens[req_id] = order.token.hex()
         if region.pack_events is not None:
             # a same-host D's stream waits on this before it unpacks (IPC wire)
@@ -307,22 +316,24 @@ class PrefillWorker:
             end.record(stream)
             if self.sync_pack:
                 end.synchronize()
+        host_s = time.perf_counter() - t0
         now = time.monotonic()
         self._packed.update((req_id, now) for req_id in packs)
         self.packing.append((",".join(packs), sum(o.nbytes for o in packs.values()),
-                             start, end, t0))
+                             start, end, host_s))
         self.reap()
 
     def reap(self) -> None:
         still = []
         for entry in self.packing:
-            req_ids, nbytes, start, end, t0 = entry
+            req_ids, nbytes, start, end, host_s = entry
             if end is not None and not end.query():
                 still.append(entry)
                 continue
-            device = start.elapsed_time(end) / 1e3 if end is not None else time.perf_counter() - t0
+            device = start.elapsed_time(end) / 1e3 if end is not None else host_s
             self.samples.setdefault("pack_duration", []).append(device)
-            trace("packed", req_ids, bytes=nbytes, device_ms=round(1e3 * device, 3))
+            trace("packed", req_ids, bytes=nbytes, device_ms=round(1e3 * device, 3),
+                  host_ms=round(1e3 * host_s, 3))
         self.packing = still
 
     def take_samples(self) -> dict[str, list[float]]:

@@ -20,9 +20,11 @@ on a DONE whose token is the request's (:class:`~kvcached_pd.connector.prefill.P
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import secrets
 import struct
+from collections.abc import Sequence
 
 import torch
 
@@ -66,6 +68,24 @@ def read_tag(extent: torch.Tensor, stream: object | None = None) -> bytes:
         with torch.cuda.stream(stream):
             return bytes(src.cpu().numpy().tobytes())
     return bytes(src.cpu().numpy().tobytes())
+
+
+def read_tags(extents: Sequence[torch.Tensor], stream: object | None = None) -> list[bytes]:
+    """The tags of several extents (:func:`read_tag` each) with ONE device-to-host read:
+    the tags are gathered into one tensor (one ``cat`` kernel, on ``stream``), read
+    back once, and split. D checks the extents that completed in one engine step this
+    way: each separate read is a synchronous 32-byte copy (a stream synchronization and
+    a pageable copy on the host), and in the kvbig batch of 8 x 3000-token prompts on
+    the H100, 4 extents completed in one step, their ``read_done`` 0.45 ms apart (tag
+    read, unpack call and trace line each). Extents on different devices are read one
+    by one."""
+    if len(extents) <= 1 or any(e.device != extents[0].device for e in extents):
+        return [read_tag(extent, stream) for extent in extents]
+    scope = (torch.cuda.stream(stream) if extents[0].is_cuda and stream is not None
+             else contextlib.nullcontext())
+    with scope:
+        raw = bytes(torch.cat([tag_view(extent) for extent in extents]).cpu().numpy().tobytes())
+    return [raw[i * TAG_BYTES:(i + 1) * TAG_BYTES] for i in range(len(extents))]
 
 
 def check_tag(tag: bytes, token_hex: str, offset: int, nbytes: int) -> str | None:

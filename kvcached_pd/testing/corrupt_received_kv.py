@@ -70,7 +70,7 @@ def _make_hook(original):
 
 def _make_unpack_hook(original):
     @functools.wraps(original)
-    def _unpack(self, req_id, read):
+    def _unpack(self, req_id, read, *args, **kwargs):
         # the KV bytes the unpack reads, on either wire (D's staging or P's), less the tag
         from kvcached_pd.transport.format import TAG_BYTES  # torch: only once armed
 
@@ -78,7 +78,7 @@ def _make_unpack_hook(original):
         view.bitwise_not_()
         logger.warning("kvcached-pd TEST: inverted the %d bytes of request %s's staged extent "
                        "(KVCACHED_PD_TEST_CORRUPT=1)", view.numel(), req_id)
-        return original(self, req_id, read)
+        return original(self, req_id, read, *args, **kwargs)
 
     return _unpack
 

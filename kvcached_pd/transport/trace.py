@@ -8,17 +8,25 @@ instances into per-request timelines.
 
 Events of kvcached-pd's connector, in the order a request meets them:
 
-prefill  ``pack_ordered`` (scheduler: the step completing the prompt orders the pack;
+prefill  ``p_admit`` (scheduler: the request's extent reserved before vLLM schedules
+         its prefill; ``bytes``, ``waited`` (staging was full first), ``since_arrival_ms``),
+         ``pack_ordered`` (scheduler: the step completing the prompt orders the pack;
          ``bytes``, ``tokens``, ``since_arrival_ms``), ``packed`` (worker; ``device_ms`` of
-         the pack kernels, one event per step, naming its requests comma-separated),
+         the pack kernels from the first device operation, ``host_ms`` of the pack calls
+         on the host, one event per step, naming its requests comma-separated; logged
+         when the worker sees the pack done, not when it ran),
          ``p_finished`` (the extent handed to D), ``p_released`` (extent freed: D's DONE,
          vLLM freeing P's blocks, or the lease; ``held_ms`` since ``p_finished``), and
          ``p_blocks_released`` (P's blocks reported sent on D's DONE; absent when
          vLLM's own notification freed them first)
-decode   ``d_alloc`` (scheduler allocated the blocks the KV lands in; ``remote_req``,
+decode   ``d_match`` (scheduler: the request is taken as staged, before vLLM allocates
+         its blocks; ``tokens``, ``since_arrival_ms``), ``d_alloc`` (scheduler allocated the blocks the KV lands in; ``remote_req``,
          ``tokens``, ``since_arrival_ms``), ``read_posted`` (``bytes``, ``remote_req``),
-         ``read_done`` (``handoff_ms`` from post to the scatter enqueued),
-         ``d_recv_reported`` (the scheduler learnt it)
+         ``read_done`` (``handoff_ms`` from post to the scatter enqueued; ``host_ms`` of
+         the scatter's host side, ``tag_ms`` of the tag read it shared with the loads
+         done in the same step),
+         ``d_recv_reported`` (the scheduler learnt it), ``d_compute_scheduled`` (the
+         step that runs the request's own forward, its first token on D; ``tokens``)
 
 Off by default: a disabled trace costs one cached boolean test per event.
 """

@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcached_pd.connector.tokens import extent_check, new_token, read_tag, tag_bytes, wipe_tag
+from kvcached_pd.connector.tokens import (
+    extent_check,
+    new_token,
+    read_tag,
+    read_tags,
+    tag_bytes,
+    wipe_tag,
+)
 from kvcached_pd.transport.format import TAG_BYTES, PackedFormat
 from kvcached_pd.transport.layout import KVCacheLayers
 from kvcached_pd.transport.pack import pack_request, pack_request_reference, unpack_request
@@ -45,3 +52,24 @@ def test_the_tag_follows_the_kv_and_is_checked_against_the_params(device):
     wipe_tag(extent)
     assert read_tag(extent, stream) == bytes(TAG_BYTES)
     assert "another request's token" in extent_check(extent, token.hex(), offset, stream)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tags_of_several_extents_are_read_at_once_each_its_own(device):
+    """D reads the tags of the loads that completed in one step with one read
+    (``read_tags``): each comes back as its own extent's, in order, whatever their
+    sizes and places in the staging."""
+    staging = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
+    places = [(4096, 8192), (0, 2048), (20480, 4096 + 64)]
+    tokens = [new_token() for _ in places]
+    extents = []
+    for (offset, nbytes), token in zip(places, tokens):
+        extent = staging[offset: offset + nbytes]
+        extent[-TAG_BYTES:].copy_(torch.frombuffer(bytearray(tag_bytes(token, offset, nbytes)),
+                                                   dtype=torch.uint8))
+        extents.append(extent)
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    assert read_tags(extents, stream) == [read_tag(extent, stream) for extent in extents]
+    assert [tag[:16] for tag in read_tags(extents, stream)] == tokens
+    assert read_tags(extents[:1], stream) == [read_tag(extents[0], stream)]
+    assert read_tags([], stream) == []

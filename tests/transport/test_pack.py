@@ -316,6 +316,10 @@ def _extent(slots: int) -> torch.Tensor:
         ([-1, 2], r"span \[-1, 2\]"),
         ([3, 3], "repeat"),
         ([], "non-empty"),
+        ([1.5, 2], "integers"),  # torch.as_tensor used to truncate it to block 1
+        ([[1, 2]], "integers"),
+        (torch.tensor([[1, 2]]), "1-D"),
+        (torch.tensor([2, 2]), "repeat"),
     ],
 )
 def test_bad_block_ids_are_refused(block_ids, message) -> None:
@@ -323,6 +327,58 @@ def test_bad_block_ids_are_refused(block_ids, message) -> None:
         pack_request(_views(), block_ids, _extent(max(len(block_ids), 1) * 16), FMT)
     with pytest.raises(ValueError, match=message):
         unpack_request(_views(), block_ids, _extent(32), FMT, 20, 32)
+
+
+def test_block_ids_may_come_as_a_tensor_or_numpy_integers() -> None:
+    np = pytest.importorskip("numpy")
+    views = _views()
+    for view in views:
+        view[:, 5].fill_(2.0)
+    extents = [_extent(16) for _ in range(3)]
+    pack_request(views, [5], extents[0], FMT)
+    pack_request(views, torch.tensor([5]), extents[1], FMT)
+    pack_request(views, [np.int64(5)], extents[2], FMT)
+    assert torch.equal(extents[0], extents[1]) and torch.equal(extents[0], extents[2])
+    assert not torch.equal(extents[0], _extent(16))
+
+
+class _StartEvent:
+    """Stands in for the caller's CUDA timing event: what the extent and caches held
+    when it was recorded."""
+
+    def __init__(self, *watched: torch.Tensor) -> None:
+        self.watched = watched
+        self.seen: list[list[torch.Tensor]] = []
+
+    def record(self, stream=None) -> None:
+        self.seen.append([t.clone() for t in self.watched])
+
+
+def test_the_start_event_is_recorded_after_the_checks_and_before_any_byte_moves() -> None:
+    """The servers time pack and unpack from ``started``: recorded once the checks
+    passed (a refused call queues nothing, so records nothing), before the first
+    device operation (so it is before any byte of the extent or the caches moved)."""
+    views = _views()
+    for view in views:
+        view[:, 2].fill_(3.0)
+    extent = torch.full((FMT.extent_bytes(16),), 0xA5, dtype=torch.uint8)
+    started = _StartEvent(extent)
+    with pytest.raises(ValueError, match="repeat"):
+        pack_request(views, [2, 2], _extent(32), FMT, started=started)
+    assert started.seen == []
+    pack_request(views, [2], extent, FMT, bytes(range(32)), started=started)
+    assert len(started.seen) == 1
+    assert bool((started.seen[0][0] == 0xA5).all()), "bytes moved before the start event"
+    assert not bool((extent == 0xA5).all())
+
+    started = _StartEvent(*views)
+    with pytest.raises(ValueError, match="span"):
+        unpack_request(views, [1, 9], _extent(32), FMT, 20, 32, started=started)
+    assert started.seen == []
+    unpack_request(views, [1], extent, FMT, 16, 16, started=started)
+    assert len(started.seen) == 1
+    assert all(bool((view[:, 1] == 1.0).all()) for view in started.seen[0])
+    assert all(bool((view[:, 1] == 3.0).all()) for view in views)
 
 
 def test_format_mismatch_is_refused() -> None:
