@@ -7,6 +7,17 @@ Scheduler half (:class:`DecodeScheduler`), one call per vLLM hook:
   anything else (a plain vLLM P, another wire version or format, an extent larger
   than D's staging) is left to the inner NixlConnector, and said so once per peer.
 * ``on_alloc`` (``update_state_after_alloc``): the blocks to unpack into.
+
+A prefix hit in D's own cache moves only what D lacks: the worker READs (or, on the
+IPC wire, unpacks from P's memory) the window of P's extent from the first token D
+does not hold, tag included (packed format 3 is token-major, so that window is one
+byte range: :meth:`~kvcached_pd.transport.format.PackedFormat.window`), into an
+extent of D's staging of the window's size; P still frees its whole extent on the
+DONE. A *full* hit (D holds every prompt token but the last, which vLLM computes again
+whatever was loaded) loads nothing: ``match`` reports 0 tokens, vLLM computes that
+token, and the worker sends P the DONE alone (``RecvOrder.notify_only``), so P frees
+its extent and blocks at once. Before packed format 3 D READ the whole extent whatever
+it held (issue 23: 22x vLLM's TTFT on a repeated-prompt benchmark at 0.5 GB/s).
 * ``on_finished_recving`` (``update_connector_output``): the READ is done, and its DONE
   has told P to free the extent and its blocks (``frees_on_done``); the caller also
   hands the request to the inner NixlConnector with no block to read, which sends P
@@ -89,12 +100,13 @@ from kvcached_pd.connector.wire import (
     PARAMS_KEY,
     Claim,
     ClaimReply,
+    Done,
     RankHandshake,
     StagedParams,
     WireError,
     base_request_id,
 )
-from kvcached_pd.transport.format import PackedFormat
+from kvcached_pd.transport.format import TAG_BYTES, PackedFormat
 from kvcached_pd.transport.pack import unpack_request
 from kvcached_pd.transport.staging import EXPECTED_READ_BYTES_PER_S, Extent
 from kvcached_pd.transport.trace import ms_since, trace
@@ -143,6 +155,7 @@ class _Pending:
     blocks: Any = None  # vLLM's KVCacheBlocks, kept for the inner connector's notify
     loading: bool = False  # its RecvOrder went to the worker
     claim: ClaimTarget | None = None
+    full_hit: bool = False  # D holds every token it needs: P gets the DONE alone
 
 
 class ClaimProbe:
@@ -280,8 +293,12 @@ class DecodeScheduler:
                 self._refuse(str(params.get("remote_engine_id")), reason)
                 return None
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        if count <= 0:
-            return None  # a full prefix hit on D: the inner connector only notifies P
+        if count <= 1:
+            # A full prefix hit: vLLM computes the last prompt token again after any
+            # load (it needs its logits), so nothing is worth moving; P is told (on_alloc)
+            self.pending[request.request_id] = _Pending(request, staged, num_computed_tokens,
+                                                        claim=claim, full_hit=True)
+            return 0, False
         self.pending[request.request_id] = _Pending(request, staged, num_computed_tokens,
                                                     claim=claim)
         return count, True
@@ -323,6 +340,8 @@ class DecodeScheduler:
         entry = self.pending.get(request.request_id)
         if entry is None:
             return False
+        if entry.full_hit:
+            return self._notify_only(request, entry)
         if num_external_tokens <= 0:
             del self.pending[request.request_id]
             return False
@@ -348,6 +367,25 @@ class DecodeScheduler:
             params=entry.params, block_ids=tuple(ids[first_block:last_block]),
             first_token=entry.first_token, num_tokens=num_tokens,
             deadline=time.monotonic() + wait_s, claim=entry.claim)
+        return True
+
+    def _notify_only(self, request: Any, entry: _Pending) -> bool:
+        """A full hit: the worker sends P the DONE without a READ. The request no longer
+        asks for a remote prefill, so vLLM's inner connector neither notifies P through
+        vLLM's own path (P 16 / D 32-token blocks: see :meth:`_leave_unnotified`) nor
+        registers it for a push; vLLM does not wait for it (0 tokens loaded)."""
+        del self.pending[request.request_id]
+        request.kv_transfer_params["do_remote_prefill"] = False
+        num_tokens = (entry.params.num_tokens if entry.params is not None
+                      else len(request.prompt_token_ids or ()))
+        wait_s = entry.params.lease_s / 2 if entry.params is not None else self.lease_s
+        self.orders[request.request_id] = RecvOrder(
+            params=entry.params, block_ids=(), first_token=entry.first_token,
+            num_tokens=num_tokens, deadline=time.monotonic() + wait_s, claim=entry.claim,
+            notify_only=True)
+        trace("d_full_hit", request.request_id,
+              remote_req=entry.params.request_id if entry.params else entry.claim.key,
+              cached_tokens=entry.first_token)
         return True
 
     def take_orders(self) -> tuple[dict[str, RecvOrder], set[str]]:
@@ -443,6 +481,9 @@ class _Read:
     wire: Any = None  # the peer's wire (wires.py), once posted
     posted: float = 0.0
     waited: bool = False  # counted once as waiting for staging room
+    # (start, nbytes) of P's extent this load moves, set once the params are checked:
+    # the token slots from the first token D lacks, and the tag (packed format 3)
+    window: tuple[int, int] = (0, 0)
 
 
 class DecodeWorker:
@@ -497,6 +538,8 @@ class DecodeWorker:
                                     Claim(CLAIM_WIRE_VERSION, target.key, target.engine_id))
                 trace("claim_sent", req_id, key=target.key)
         for req_id in cancelled:
+            if req_id in self.queued and self.queued[req_id].order.notify_only:
+                continue  # vLLM waits for nothing; P still gets its DONE
             if req_id in self.queued:  # not posted: nothing to wait for
                 del self.queued[req_id]
                 self.finished.add(req_id)
@@ -553,7 +596,7 @@ class DecodeWorker:
         deadline = t0 + self.spin_s
         waiting = {req_id: read for req_id, read in self.inflight.items()
                    if req_id not in self.cancelled and read.wire.uses_staging and read.posted
-                   + read.params.nbytes / EXPECTED_READ_BYTES_PER_S <= deadline}
+                   + read.window[1] / EXPECTED_READ_BYTES_PER_S <= deadline}
         states: dict[str, str] = {}
         while waiting:
             for req_id, read in list(waiting.items()):
@@ -684,6 +727,10 @@ class DecodeWorker:
     def _fail(self, req_id: str, read: _Read, reason: str, after: Any = None) -> None:
         """The request's load failed (its blocks reported invalid); its extent is freed
         once ``after`` (a CUDA event, or None: at once) has passed."""
+        if read.order.notify_only:  # vLLM waits for nothing: P frees it at its lease
+            logger.warning("kvcached-pd: request %s (a full prefix hit): no DONE sent to "
+                           "prefill: %s", req_id, reason)
+            return
         logger.error("kvcached-pd: request %s: staged load failed: %s", req_id, reason)
         self.invalid_blocks.update(read.order.block_ids)
         self.finished.add(req_id)
@@ -729,8 +776,13 @@ class DecodeWorker:
                 del self.queued[req_id]
                 self._fail(req_id, read, problem)
                 continue
+            if read.order.notify_only:
+                del self.queued[req_id]
+                self._send_done(req_id, read, wire)
+                continue
+            read.window = self.region.fmt.window(params.n_tok_slots, read.order.first_token)
             if wire.uses_staging and read.extent is None:
-                read.extent = self.region.buffer.alloc(params.nbytes, req_id)
+                read.extent = self.region.buffer.alloc(read.window[1], req_id)
                 if read.extent is None:
                     if not read.waited:
                         read.waited = True
@@ -752,8 +804,30 @@ class DecodeWorker:
             read.wire = wire
             read.posted = time.perf_counter()
             self.inflight[req_id] = read
-            trace("read_posted", req_id, bytes=params.nbytes, remote_req=params.request_id,
-                  wire=wire.name)
+            self._moved(read.window[1], read.window[0])
+            trace("read_posted", req_id, bytes=read.window[1], skipped=read.window[0],
+                  remote_req=params.request_id, wire=wire.name)
+
+    def _moved(self, nbytes: int, skipped: int) -> None:
+        """One staged load's bytes moved (READ, or unpacked from P's memory over IPC) and
+        the bytes of P's extent D's prefix cache made unnecessary."""
+        self.samples.setdefault("moved_bytes", []).append(nbytes)
+        self.samples.setdefault("prefix_skipped_bytes", []).append(skipped)
+
+    def _send_done(self, req_id: str, read: _Read, wire: Any) -> None:
+        """A full prefix hit: P's extent is not read; the DONE alone frees it and P's
+        blocks. vLLM waits for nothing, so a failure is only logged (P frees them when
+        its lease runs out)."""
+        params = read.params
+        try:
+            wire.send(Done(params.request_id, self.region.tp_rank, params.token).encode())
+        except Exception as exc:  # noqa: BLE001 - P frees it at its lease
+            logger.warning("kvcached-pd: could not send DONE for request %s (a full prefix "
+                           "hit) to prefill %s: %s", req_id, params.engine_id, exc)
+            return
+        self._moved(0, params.nbytes - TAG_BYTES)
+        trace("done_sent", req_id, remote_req=params.request_id, wire=wire.name,
+              skipped=params.nbytes - TAG_BYTES)
 
     def _device_events(self) -> tuple[Any, Any, Any]:
         """The compute stream and a timing event pair for one unpack; Nones on the CPU,
@@ -790,7 +864,8 @@ class DecodeWorker:
             src = self._source(read)
             if self._tag_stream is not None:
                 read.wire.before_unpack(read, self._tag_stream)  # IPC: after P's pack
-            reason = extent_check(src, params.token, params.offset, self._tag_stream)
+            reason = extent_check(src, params.token, params.offset, params.nbytes,
+                                  self._tag_stream)
             if reason is None:
                 self._scatter(req_id, read, src)
                 return
@@ -815,13 +890,13 @@ class DecodeWorker:
         kbs = region.kernel_block_size
         kernel_ids = kernel_ids[: math.ceil((params.num_tokens - order.first_token) / kbs)]
         if kernel_ids:
-            unpack_request(region.layers, kernel_ids, src, region.fmt,
-                           params.num_tokens, params.n_tok_slots, order.first_token)
+            unpack_request(region.layers, kernel_ids, src, region.fmt, params.num_tokens,
+                           params.n_tok_slots, order.first_token, order.first_token)
         if end is not None:
             end.record(stream)
         handoff = time.perf_counter() - read.posted
         self.samples.setdefault("handoff_duration", []).append(handoff)
-        trace("read_done", req_id, bytes=params.nbytes, handoff_ms=round(1e3 * handoff, 3),
+        trace("read_done", req_id, bytes=read.window[1], handoff_ms=round(1e3 * handoff, 3),
               wire=read.wire.name)
         message = read.wire.done_message(read)
         if message:
