@@ -370,12 +370,21 @@ class DecodeScheduler:
         return True
 
     def _notify_only(self, request: Any, entry: _Pending) -> bool:
-        """A full hit: the worker sends P the DONE without a READ. The request no longer
-        asks for a remote prefill, so vLLM's inner connector neither notifies P through
-        vLLM's own path (P 16 / D 32-token blocks: see :meth:`_leave_unnotified`) nor
-        registers it for a push; vLLM does not wait for it (0 tokens loaded)."""
+        """A full hit: the worker sends P the DONE without a READ; vLLM waits for
+        nothing (0 tokens loaded). True when the inner connector must stay out: in push
+        mode (it would register the request with P for a per-block WRITE) and between
+        P and D block sizes that differ (vLLM's notify-only path cannot serve them:
+        :meth:`_leave_unnotified`). Otherwise vLLM's own full-hit path notifies P too,
+        as after a staged READ (it clears the inner connector's record on P)."""
         del self.pending[request.request_id]
-        request.kv_transfer_params["do_remote_prefill"] = False
+        if self.push:
+            request.kv_transfer_params["do_remote_prefill"] = False
+            inner_out = True
+        elif entry.params.block_size != self.block_size:
+            self._leave_unnotified(entry)
+            inner_out = True
+        else:
+            inner_out = False
         num_tokens = (entry.params.num_tokens if entry.params is not None
                       else len(request.prompt_token_ids or ()))
         wait_s = entry.params.lease_s / 2 if entry.params is not None else self.lease_s
@@ -386,7 +395,7 @@ class DecodeScheduler:
         trace("d_full_hit", request.request_id,
               remote_req=entry.params.request_id if entry.params else entry.claim.key,
               cached_tokens=entry.first_token)
-        return True
+        return inner_out
 
     def take_orders(self) -> tuple[dict[str, RecvOrder], set[str]]:
         orders, self.orders = self.orders, {}

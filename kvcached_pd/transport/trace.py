@@ -16,9 +16,12 @@ prefill  ``pack_ordered`` (scheduler: the step completing the prompt orders the 
          ``p_blocks_released`` (P's blocks reported sent on D's DONE; absent when
          vLLM's own notification freed them first)
 decode   ``d_alloc`` (scheduler allocated the blocks the KV lands in; ``remote_req``,
-         ``tokens``, ``since_arrival_ms``), ``read_posted`` (``bytes``, ``remote_req``),
-         ``read_done`` (``handoff_ms`` from post to the scatter enqueued),
-         ``d_recv_reported`` (the scheduler learnt it)
+         ``tokens``, ``since_arrival_ms``), ``read_posted`` (``bytes`` moved: from the
+         first token D's prefix cache lacks, tag included; ``skipped``: the bytes before
+         them; ``remote_req``), ``read_done`` (``handoff_ms`` from post to the scatter
+         enqueued), ``d_recv_reported`` (the scheduler learnt it); a full prefix hit
+         instead: ``d_full_hit`` (scheduler; ``cached_tokens``) and ``done_sent`` (the
+         DONE alone; ``skipped``)
 
 Off by default: a disabled trace costs one cached boolean test per event.
 """
