@@ -273,3 +273,32 @@ def test_an_abort_between_match_and_read_moves_nothing_for_it(staged_env, monkey
     finally:
         for engine in (p, d):
             engine.worker.shutdown()
+
+
+def test_the_corruption_control_inverts_a_windows_kv_not_its_tag(staged_env, monkeypatch,
+                                                                 moved):
+    """The equivalence harness's negative control with D's prefix cache on: the window
+    D READ (from token 32) has all its KV inverted and its tag left alone, so the load
+    succeeds with wrong KV (the text the harness must see differ), not a refused load
+    (which vLLM may recompute into the right text)."""
+    from kvcached_pd.testing.corrupt_received_kv import CorruptReceivedKVPatch
+
+    p, d = engines(monkeypatch, "NixlConnector", 16, "nixl", seed=81)
+    try:
+        handoff(p, d, "first", FIRST, d_prefix="")
+        assert settled(p, d)
+        patch = CorruptReceivedKVPatch()
+        assert patch.patch()
+        try:
+            failed = pd.record_load_errors(d)
+            params, want, got = handoff(p, d, "second", SECOND, d_prefix="")
+        finally:
+            patch.unpatch()
+        assert not failed, "the control made the load fail instead of the KV wrong"
+        assert moved["read"]["second"] == window(d, params, SHARED)
+        for layer in range(pd.LAYERS):
+            assert torch.equal(got[layer][:, SHARED:].view(torch.int16),
+                               ~want[layer][:, SHARED:].view(torch.int16))
+    finally:
+        for engine in (p, d):
+            engine.worker.shutdown()
