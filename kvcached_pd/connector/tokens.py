@@ -11,12 +11,13 @@ extent, after its KV)::
 and wipes it (zeros) when P frees the extent, so a token is in P's staging exactly while
 its extent is live. D reads the tag of the bytes it received (one device-to-host read
 of 32 bytes) and unpacks them only when it equals what its params say
-(:func:`check_tag`). D may read only the extent's tail (its prefix cache holds the first
-tokens; packed format 3 makes any token suffix and the tag one byte range) and checks
-the tag against the whole extent's size and offset all the same. Params that point at any bytes other than their own live extent
+(:func:`check_tag`). Params that point at any bytes other than their own live extent
 therefore fail: the tag at the end of the window read is another request's, a wiped
-one, or KV; a window that ends at the holder's own tag but starts elsewhere carries
-another size. D's DONE carries the token too, and P frees an extent and its blocks only
+one, or KV; params naming a window that ends at the holder's own tag but starts
+elsewhere carry another size. D may read only the extent's tail (its prefix cache holds
+the first tokens; packed format 3 makes any token suffix and the tag one byte range):
+it checks the tag against the size and offset of the whole extent its params name all
+the same, and the tail starts at D's own cached tokens, inside that extent. D's DONE carries the token too, and P frees an extent and its blocks only
 on a DONE whose token is the request's (:class:`~kvcached_pd.connector.prefill.PrefillWorker`).
 """
 
