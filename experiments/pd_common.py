@@ -295,6 +295,11 @@ class M:
     KVPD_STAGING_WAITS = "vllm:kvcached_pd_staging_waits_total"  # waits for staging room
     # D: peers that fell back from the CUDA IPC wire to the NIXL READ (issue 19)
     KVPD_WIRE_FALLBACKS = "vllm:kvcached_pd_wire_fallbacks_total"
+    # D: bytes each staged load moved (its window of P's extent; 0 for a full prefix hit)
+    # and bytes D's prefix cache made unnecessary (issue 23)
+    KVPD_MOVED_SUM = "vllm:kvcached_pd_moved_bytes_sum"
+    KVPD_MOVED_COUNT = "vllm:kvcached_pd_moved_bytes_count"
+    KVPD_SKIPPED = "vllm:kvcached_pd_prefix_skipped_bytes_total"
 
 
 def metric_delta(before: MetricSnapshot | None, after: MetricSnapshot | None, name: str,

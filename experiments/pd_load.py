@@ -445,6 +445,10 @@ class LoadHarness:
         return {"direct_fallbacks": per_side(M.KVPD_FALLBACKS),
                 "staging_waits": per_side(M.KVPD_STAGING_WAITS),
                 "nixl_failed_transfers": per_side(M.NIXL_FAILED),
+                # D: staged loads, their bytes moved and those a D prefix hit skipped
+                "staged_loads": per_side(M.KVPD_MOVED_COUNT),
+                "moved_bytes": per_side(M.KVPD_MOVED_SUM),
+                "prefix_skipped_bytes": per_side(M.KVPD_SKIPPED),
                 "aborted_requests": per_side(M.REQUEST_SUCCESS, finished_reason="abort")}
 
     def fault_evidence(self, run: ModeRun) -> dict:

@@ -41,6 +41,9 @@ def test_series_survive_aggregation_and_reach_prometheus(staged):
     worker_b.data["kvcached_pd_read_duration"].append(0.0005)
     worker_b.data[fallbacks].append(1)
     worker_b.data[d_staging].extend([4096, 12288, 0])  # sampled on every change
+    # bytes moved per staged load: a miss, a partial prefix hit, a full hit (the DONE alone)
+    worker_b.data[PREFIX + "moved_bytes"].extend([98336, 73760, 0])
+    worker_b.data[PREFIX + "prefix_skipped_bytes"].extend([0, 49152, 98304])
     scheduler = NixlKVConnectorStats()  # P's scheduler samples its own range
     scheduler.data[p_staging].extend([8192, 4096])
     scheduler.data[waits].extend([1, 1])
@@ -64,6 +67,10 @@ def test_series_survive_aggregation_and_reach_prometheus(staged):
     assert value("vllm:kvcached_pd_read_seconds_count", {"engine": "0"}) == 1
     assert value("vllm:kvcached_pd_direct_fallbacks_total", {"engine": "0"}) == 1
     assert value("vllm:kvcached_pd_staging_waits_total", {"engine": "0"}) == 2
+    assert value("vllm:kvcached_pd_moved_bytes_count", {"engine": "0"}) == 3
+    assert value("vllm:kvcached_pd_moved_bytes_sum", {"engine": "0"}) == 98336 + 73760
+    assert value("vllm:kvcached_pd_moved_bytes_bucket", {"engine": "0", "le": "0.0"}) == 1
+    assert value("vllm:kvcached_pd_prefix_skipped_bytes_total", {"engine": "0"}) == 147456
     # occupancy is a gauge holding the latest sample, not a histogram of samples
     assert value("vllm:kvcached_pd_decode_staging_bytes", {"engine": "0"}) == 0
     assert value("vllm:kvcached_pd_prefill_staging_bytes", {"engine": "0"}) == 4096

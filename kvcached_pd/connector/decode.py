@@ -7,6 +7,17 @@ Scheduler half (:class:`DecodeScheduler`), one call per vLLM hook:
   anything else (a plain vLLM P, another wire version or format, an extent larger
   than D's staging) is left to the inner NixlConnector, and said so once per peer.
 * ``on_alloc`` (``update_state_after_alloc``): the blocks to unpack into.
+
+A prefix hit in D's own cache moves only what D lacks: the worker READs (or, on the
+IPC wire, unpacks from P's memory) the window of P's extent from the first token D
+does not hold, tag included (packed format 3 is token-major, so that window is one
+byte range: :meth:`~kvcached_pd.transport.format.PackedFormat.window`), into an
+extent of D's staging of the window's size; P still frees its whole extent on the
+DONE. A *full* hit (D holds every prompt token but the last, which vLLM computes again
+whatever was loaded) loads nothing: ``match`` reports 0 tokens, vLLM computes that
+token, and the worker sends P the DONE alone (``RecvOrder.notify_only``), so P frees
+its extent and blocks at once. Before packed format 3 D READ the whole extent whatever
+it held (issue 23: 22x vLLM's TTFT on a repeated-prompt benchmark at 0.5 GB/s).
 * ``on_finished_recving`` (``update_connector_output``): the READ is done, and its DONE
   has told P to free the extent and its blocks (``frees_on_done``); the caller also
   hands the request to the inner NixlConnector with no block to read, which sends P
@@ -89,12 +100,13 @@ from kvcached_pd.connector.wire import (
     PARAMS_KEY,
     Claim,
     ClaimReply,
+    Done,
     RankHandshake,
     StagedParams,
     WireError,
     base_request_id,
 )
-from kvcached_pd.transport.format import PackedFormat
+from kvcached_pd.transport.format import TAG_BYTES, PackedFormat
 from kvcached_pd.transport.pack import unpack_request
 from kvcached_pd.transport.staging import EXPECTED_READ_BYTES_PER_S, Extent
 from kvcached_pd.transport import trace as tracing
@@ -144,6 +156,7 @@ class _Pending:
     blocks: Any = None  # vLLM's KVCacheBlocks, kept for the inner connector's notify
     loading: bool = False  # its RecvOrder went to the worker
     claim: ClaimTarget | None = None
+    full_hit: bool = False  # D holds every token it needs: P gets the DONE alone
 
 
 class ClaimProbe:
@@ -282,8 +295,12 @@ class DecodeScheduler:
                 self._refuse(str(params.get("remote_engine_id")), reason)
                 return None
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        if count <= 0:
-            return None  # a full prefix hit on D: the inner connector only notifies P
+        if count <= 1:
+            # A full prefix hit: vLLM computes the last prompt token again after any
+            # load (it needs its logits), so nothing is worth moving; P is told (on_alloc)
+            self.pending[request.request_id] = _Pending(request, staged, num_computed_tokens,
+                                                        claim=claim, full_hit=True)
+            return 0, False
         trace("d_match", request.request_id, tokens=count,
               since_arrival_ms=ms_since(getattr(request, "arrival_time", None)))
         self.pending[request.request_id] = _Pending(request, staged, num_computed_tokens,
@@ -327,6 +344,8 @@ class DecodeScheduler:
         entry = self.pending.get(request.request_id)
         if entry is None:
             return False
+        if entry.full_hit:
+            return self._notify_only(request, entry)
         if num_external_tokens <= 0:
             del self.pending[request.request_id]
             return False
@@ -353,6 +372,34 @@ class DecodeScheduler:
             first_token=entry.first_token, num_tokens=num_tokens,
             deadline=time.monotonic() + wait_s, claim=entry.claim)
         return True
+
+    def _notify_only(self, request: Any, entry: _Pending) -> bool:
+        """A full hit: the worker sends P the DONE without a READ; vLLM waits for
+        nothing (0 tokens loaded). True when the inner connector must stay out: in push
+        mode (it would register the request with P for a per-block WRITE) and between
+        P and D block sizes that differ (vLLM's notify-only path cannot serve them:
+        :meth:`_leave_unnotified`). Otherwise vLLM's own full-hit path notifies P too,
+        as after a staged READ (it clears the inner connector's record on P)."""
+        del self.pending[request.request_id]
+        if self.push:
+            request.kv_transfer_params["do_remote_prefill"] = False
+            inner_out = True
+        elif entry.params.block_size != self.block_size:
+            self._leave_unnotified(entry)
+            inner_out = True
+        else:
+            inner_out = False
+        num_tokens = (entry.params.num_tokens if entry.params is not None
+                      else len(request.prompt_token_ids or ()))
+        wait_s = entry.params.lease_s / 2 if entry.params is not None else self.lease_s
+        self.orders[request.request_id] = RecvOrder(
+            params=entry.params, block_ids=(), first_token=entry.first_token,
+            num_tokens=num_tokens, deadline=time.monotonic() + wait_s, claim=entry.claim,
+            notify_only=True)
+        trace("d_full_hit", request.request_id,
+              remote_req=entry.params.request_id if entry.params else entry.claim.key,
+              cached_tokens=entry.first_token)
+        return inner_out
 
     def take_orders(self) -> tuple[dict[str, RecvOrder], set[str]]:
         orders, self.orders = self.orders, {}
@@ -462,6 +509,9 @@ class _Read:
     posted: float = 0.0
     waited: bool = False  # counted once as waiting for staging room
     tag_s: float = 0.0  # host time of the tag read it took part in (trace: tag_ms)
+    # (start, nbytes) of P's extent this load moves, set once the params are checked:
+    # the token slots from the first token D lacks, and the tag (packed format 3)
+    window: tuple[int, int] = (0, 0)
 
 
 class DecodeWorker:
@@ -516,6 +566,8 @@ class DecodeWorker:
                                     Claim(CLAIM_WIRE_VERSION, target.key, target.engine_id))
                 trace("claim_sent", req_id, key=target.key)
         for req_id in cancelled:
+            if req_id in self.queued and self.queued[req_id].order.notify_only:
+                continue  # vLLM waits for nothing; P still gets its DONE
             if req_id in self.queued:  # not posted: nothing to wait for
                 del self.queued[req_id]
                 self.finished.add(req_id)
@@ -569,7 +621,7 @@ class DecodeWorker:
         deadline = t0 + self.spin_s
         waiting = {req_id: read for req_id, read in self.inflight.items()
                    if req_id not in self.cancelled and read.wire.uses_staging and read.posted
-                   + read.params.nbytes / EXPECTED_READ_BYTES_PER_S <= deadline}
+                   + read.window[1] / EXPECTED_READ_BYTES_PER_S <= deadline}
         states: dict[str, str] = {}
         while waiting:
             for req_id, read in list(waiting.items()):
@@ -700,6 +752,10 @@ class DecodeWorker:
     def _fail(self, req_id: str, read: _Read, reason: str, after: Any = None) -> None:
         """The request's load failed (its blocks reported invalid); its extent is freed
         once ``after`` (a CUDA event, or None: at once) has passed."""
+        if read.order.notify_only:  # vLLM waits for nothing: P frees it at its lease
+            logger.warning("kvcached-pd: request %s (a full prefix hit): no DONE sent to "
+                           "prefill: %s", req_id, reason)
+            return
         logger.error("kvcached-pd: request %s: staged load failed: %s", req_id, reason)
         self.invalid_blocks.update(read.order.block_ids)
         self.finished.add(req_id)
@@ -745,8 +801,13 @@ class DecodeWorker:
                 del self.queued[req_id]
                 self._fail(req_id, read, problem)
                 continue
+            if read.order.notify_only:
+                del self.queued[req_id]
+                self._send_done(req_id, read, wire)
+                continue
+            read.window = self.region.fmt.window(params.n_tok_slots, read.order.first_token)
             if wire.uses_staging and read.extent is None:
-                read.extent = self.region.buffer.alloc(params.nbytes, req_id)
+                read.extent = self.region.buffer.alloc(read.window[1], req_id)
                 if read.extent is None:
                     if not read.waited:
                         read.waited = True
@@ -768,8 +829,30 @@ class DecodeWorker:
             read.wire = wire
             read.posted = time.perf_counter()
             self.inflight[req_id] = read
-            trace("read_posted", req_id, bytes=params.nbytes, remote_req=params.request_id,
-                  wire=wire.name)
+            self._moved(read.window[1], read.window[0])
+            trace("read_posted", req_id, bytes=read.window[1], skipped=read.window[0],
+                  remote_req=params.request_id, wire=wire.name)
+
+    def _moved(self, nbytes: int, skipped: int) -> None:
+        """One staged load's bytes moved (READ, or unpacked from P's memory over IPC) and
+        the bytes of P's extent D's prefix cache made unnecessary."""
+        self.samples.setdefault("moved_bytes", []).append(nbytes)
+        self.samples.setdefault("prefix_skipped_bytes", []).append(skipped)
+
+    def _send_done(self, req_id: str, read: _Read, wire: Any) -> None:
+        """A full prefix hit: P's extent is not read; the DONE alone frees it and P's
+        blocks. vLLM waits for nothing, so a failure is only logged (P frees them when
+        its lease runs out)."""
+        params = read.params
+        try:
+            wire.send(Done(params.request_id, self.region.tp_rank, params.token).encode())
+        except Exception as exc:  # noqa: BLE001 - P frees it at its lease
+            logger.warning("kvcached-pd: could not send DONE for request %s (a full prefix "
+                           "hit) to prefill %s: %s", req_id, params.engine_id, exc)
+            return
+        self._moved(0, params.nbytes - TAG_BYTES)
+        trace("done_sent", req_id, remote_req=params.request_id, wire=wire.name,
+              skipped=params.nbytes - TAG_BYTES)
 
     def _device_events(self) -> tuple[Any, Any, Any]:
         """The compute stream and a timing event pair for one unpack; Nones on the CPU,
@@ -847,8 +930,7 @@ class DecodeWorker:
                 tag = read_tag(self._tag_source(read), self._tag_stream)
                 read.tag_s = time.perf_counter() - t0
             src = self._source(read)
-            reason = check_tag(tag, params.token, params.offset,
-                               src.numel() * src.element_size())
+            reason = check_tag(tag, params.token, params.offset, params.nbytes)
             if reason is None:
                 self._scatter(req_id, read, src)
                 return
@@ -874,8 +956,8 @@ class DecodeWorker:
         if kernel_ids:
             # the device time starts after the host's checks, at the first device
             # operation (unpack_request's ``started``); host_ms below is the host's side
-            unpack_request(region.layers, kernel_ids, src, region.fmt,
-                           params.num_tokens, params.n_tok_slots, order.first_token,
+            unpack_request(region.layers, kernel_ids, src, region.fmt, params.num_tokens,
+                           params.n_tok_slots, order.first_token, order.first_token,
                            started=start)
         elif start is not None:
             start.record(stream)
@@ -884,7 +966,7 @@ class DecodeWorker:
         host_s = time.perf_counter() - t0
         handoff = time.perf_counter() - read.posted
         self.samples.setdefault("handoff_duration", []).append(handoff)
-        trace("read_done", req_id, bytes=params.nbytes, handoff_ms=round(1e3 * handoff, 3),
+        trace("read_done", req_id, bytes=read.window[1], handoff_ms=round(1e3 * handoff, 3),
               wire=read.wire.name, host_ms=round(1e3 * host_s, 3),
               tag_ms=round(1e3 * read.tag_s, 3))
         message = read.wire.done_message(read)

@@ -57,9 +57,10 @@ class ClaimTarget:
 
 @dataclass(frozen=True)
 class RecvOrder:
-    """D: READ P's extent and scatter tokens ``[first_token, num_tokens)`` into
-    ``block_ids`` (D's scheduler blocks holding those tokens, in token order). ``params``
-    is None until claimed from ``claim`` (push mode, concurrent legs)."""
+    """D: READ P's extent from token ``first_token`` on (the window D lacks) and scatter
+    tokens ``[first_token, num_tokens)`` into ``block_ids`` (D's scheduler blocks holding
+    those tokens, in token order). ``params`` is None until claimed from ``claim`` (push
+    mode, concurrent legs)."""
 
     params: StagedParams | None
     block_ids: tuple[int, ...]
@@ -69,6 +70,8 @@ class RecvOrder:
     # which the claim is given up; the READ's own limit comes with the params)
     deadline: float
     claim: ClaimTarget | None = None
+    # a full prefix hit on D: no block to fill, nothing to READ; only P's DONE is sent
+    notify_only: bool = False
 
 
 @dataclass

@@ -13,8 +13,11 @@ its extent is live. D reads the tag of the bytes it received (one device-to-host
 of 32 bytes) and unpacks them only when it equals what its params say
 (:func:`check_tag`). Params that point at any bytes other than their own live extent
 therefore fail: the tag at the end of the window read is another request's, a wiped
-one, or KV; a window that ends at the holder's own tag but starts elsewhere carries
-another size. D's DONE carries the token too, and P frees an extent and its blocks only
+one, or KV; params naming a window that ends at the holder's own tag but starts
+elsewhere carry another size. D may read only the extent's tail (its prefix cache holds
+the first tokens; packed format 3 makes any token suffix and the tag one byte range):
+it checks the tag against the size and offset of the whole extent its params name all
+the same, and the tail starts at D's own cached tokens, inside that extent. D's DONE carries the token too, and P frees an extent and its blocks only
 on a DONE whose token is the request's (:class:`~kvcached_pd.connector.prefill.PrefillWorker`).
 """
 
@@ -107,10 +110,11 @@ def check_tag(tag: bytes, token_hex: str, offset: int, nbytes: int) -> str | Non
     return None
 
 
-def extent_check(extent: torch.Tensor, token_hex: str, offset: int,
+def extent_check(window: torch.Tensor, token_hex: str, offset: int, nbytes: int,
                  stream: object | None = None) -> str | None:
-    """Read the tag of ``extent`` (P's extent at ``offset``, as received: the whole
-    extent, tag included) and check it (:func:`check_tag`): the one call D makes before
-    it unpacks, whatever the extent was read from."""
-    nbytes = extent.numel() * extent.element_size()
-    return check_tag(read_tag(extent, stream), token_hex, offset, nbytes)
+    """Read the tag at the end of ``window`` (the bytes received of P's extent
+    ``[offset, offset + nbytes)``: its tail from the first token D lacks, tag included,
+    or all of it) and check it (:func:`check_tag`) against the whole extent's place:
+    the one call D makes before it unpacks, whatever the bytes were read from. A window
+    that ends at the request's own tag lies inside its extent, wherever it starts."""
+    return check_tag(read_tag(window, stream), token_hex, offset, nbytes)

@@ -50,6 +50,13 @@ Wire version history
     params carry no token, so nothing could show that the bytes read are the request's.
     Requests between a version 3 and an older peer take vLLM's own NIXL path (both sides
     refuse the other's params and handshake), as between peers of two packed formats.
+  3, amended 2026-11-25: packed format version 3 (token-major, issue 23): a decode side
+    with a prefix hit READs only the extent's tail from the first token it lacks (tag
+    included) and a full hit sends the DONE alone. No field of the params, handshake or
+    DONE changed, so the wire version stays 3: the format version travels in the
+    handshake's ``packed_format`` and in the params' ``format_digest``, so peers of
+    formats 2 and 3 refuse each other's params and handshake, and their requests take
+    vLLM's own NIXL path.
 
 Every field of a peer's params is checked before use (:meth:`StagedParams.from_params`):
 types, finite numbers, bounds (:data:`MAX_WIRE_INT`), and the arithmetic that ties

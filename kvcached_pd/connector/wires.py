@@ -19,7 +19,9 @@ their loads); ``auto`` IPC when D can open P's staging, NIXL otherwise, with the
 The interface a wire offers :class:`~kvcached_pd.connector.decode.DecodeWorker`:
 ``uses_staging`` (D reserves an extent of its own), ``post`` (start moving),
 ``state`` ("PROC", "DONE" or "ERR"), ``settle`` (after the state left "PROC"),
-``before_unpack`` / ``source`` (what the unpack waits on and reads), ``done_message``
+``before_unpack`` / ``source`` (what the unpack waits on and reads: the request's
+``window`` of P's extent, from the first token D's prefix cache lacks to the tag),
+``done_message``
 (the DONE D still has to send once the unpack ran; None when the wire carried it).
 A third wire (RDMA across nodes, say) is one more class here and one more branch in
 :func:`choose_wire`.
@@ -68,9 +70,10 @@ class NixlWire(_Wire):
 
     def post(self, read: Any) -> None:
         params = read.params
+        start, nbytes = read.window  # only what D's prefix cache lacks, and the tag
         notif = Done(params.request_id, self.region.tp_rank, params.token).encode()
-        read.handle = self.region.agent.read(self.peer, self.handshake, params.offset,
-                                             read.extent.offset, params.nbytes, notif)
+        read.handle = self.region.agent.read(self.peer, self.handshake, params.offset + start,
+                                             read.extent.offset, nbytes, notif)
 
     def state(self, read: Any) -> str:
         return self.region.agent.state(read.handle)
@@ -86,7 +89,7 @@ class NixlWire(_Wire):
         pass
 
     def source(self, read: Any) -> torch.Tensor:
-        return self.region.region(read.extent.offset, read.params.nbytes)
+        return self.region.region(read.extent.offset, read.window[1])
 
     def done_message(self, read: Any) -> bytes | None:
         return None  # NIXL delivered it with the READ
@@ -147,7 +150,8 @@ class IpcWire(_Wire):
             self.mapped.wait_packed(read.params.pack_event, stream)
 
     def source(self, read: Any) -> torch.Tensor:
-        return self.mapped.extent(read.params.offset, read.params.nbytes)
+        start, nbytes = read.window  # the unpack reads only what D's prefix cache lacks
+        return self.mapped.extent(read.params.offset + start, nbytes)
 
     def done_message(self, read: Any) -> bytes | None:
         return Done(read.params.request_id, self.region.tp_rank, read.params.token).encode()

@@ -7,7 +7,8 @@ kvcached-pd's samples ride along under their own keys
 (:data:`kvcached_pd.connector.stats.STAT_KEYS`, which kvcached-pd's connector adds) and
 this patch makes ``vllm:kvcached_pd_*`` metrics of them:
 occupancy of each side's staging range as gauges (the last sample is current),
-fallbacks and waits as counters, pack/READ/unpack/handoff times as histograms.
+fallbacks and waits as counters, pack/READ/unpack/handoff times and the bytes each
+staged load moved as histograms.
 
 Not fail-closed: without it the transport moves KV the same, only unobserved.
 """
@@ -25,7 +26,8 @@ from kvcached_pd.versions import VersionRange, installed_version
 STATS_MODULE = f"{vllm_nixl.NIXL_PACKAGE}.stats"
 
 SERIES = (
-    # key, metric name, documentation, kind: "time" / "gauge" histogram buckets, None: counter
+    # key, metric name, documentation, kind: "time" / "bytes" histogram buckets, "gauge",
+    # None: counter
     ("kvcached_pd_pack_duration", "vllm:kvcached_pd_pack_seconds",
      "kvcached-pd: time to pack finished prefills into staging, per step", "time"),
     ("kvcached_pd_read_duration", "vllm:kvcached_pd_read_seconds",
@@ -49,10 +51,18 @@ SERIES = (
     ("kvcached_pd_wire_fallbacks", "vllm:kvcached_pd_wire_fallbacks",
      "kvcached-pd: same-host prefill peers the decode side could not open over CUDA IPC "
      "and READs over NIXL instead (KVCACHED_PD_WIRE=auto; the WARNING says why)", None),
+    ("kvcached_pd_moved_bytes", "vllm:kvcached_pd_moved_bytes",
+     "kvcached-pd: decode side, bytes of P's extent one staged load moved (READ, or "
+     "unpacked from P's memory over CUDA IPC): from the first token D's prefix cache "
+     "lacks, with the 32-byte tag; 0 for a full prefix hit (the DONE alone)", "bytes"),
+    ("kvcached_pd_prefix_skipped_bytes", "vllm:kvcached_pd_prefix_skipped_bytes",
+     "kvcached-pd: decode side, bytes of P's extents not moved because D's prefix cache "
+     "held their tokens", None),
 )
 assert {key for key, *_ in SERIES} == set(STAT_KEYS)
 TIME_BUCKETS = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                 5.0]
+BYTE_BUCKETS = [0.0] + [float(1 << shift) for shift in range(12, 34, 2)]  # 0, 4 KiB .. 4 GiB
 
 
 def _stats_reset(original, self):
@@ -79,8 +89,9 @@ def _prom_init(original, self, *args, **kwargs):
             metric = self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
                                      multiprocess_mode="mostrecent")
         else:
-            metric = self._histogram_cls(name=name, documentation=doc, buckets=TIME_BUCKETS,
-                                         labelnames=labelnames)
+            metric = self._histogram_cls(
+                name=name, documentation=doc, labelnames=labelnames,
+                buckets=BYTE_BUCKETS if kind == "bytes" else TIME_BUCKETS)
         self._kvcached_pd_metrics[key] = (
             kind, stats_mod.create_metric_per_engine(metric, self.per_engine_labelvalues))
     return result

@@ -71,10 +71,14 @@ def _make_hook(original):
 def _make_unpack_hook(original):
     @functools.wraps(original)
     def _unpack(self, req_id, read, *args, **kwargs):
-        # the KV bytes the unpack reads, on either wire (D's staging or P's), less the tag
+        # the KV bytes the unpack reads, on either wire (D's staging or P's), less the tag;
+        # with a prefix hit on D the source is the extent's tail only (read.window), and
+        # slicing it by the whole extent's size would invert the tag: a refused load,
+        # not the wrong text the harness must detect
         from kvcached_pd.transport.format import TAG_BYTES  # torch: only once armed
 
-        view = self._source(read)[: read.params.nbytes - TAG_BYTES]
+        source = self._source(read)
+        view = source[: source.numel() - TAG_BYTES]
         view.bitwise_not_()
         logger.warning("kvcached-pd TEST: inverted the %d bytes of request %s's staged extent "
                        "(KVCACHED_PD_TEST_CORRUPT=1)", view.numel(), req_id)

@@ -1,23 +1,33 @@
-"""The canonical packed format of one request's KV in a staging extent (version 2).
+"""The canonical packed format of one request's KV in a staging extent (version 3).
 
 Prefill and decode workers may lay their caches out differently (NHD or HND, K/V
 first, blocks first or K/V packed, kvcached or not) and may use different block sizes.
 Rather than negotiate a common block size or layout, each side converts between its own
 cache and this one format, and the handshake checks only that both speak it.
 
-Version 2, for one request on one TP rank, with ``n_tok_slots`` = (blocks packed) x
-(block size of the packing side)::
+Version 3, for one request on one TP rank, with ``n_tok_slots`` = (blocks packed) x
+(block size of the packing side), token-major::
 
-    extent = layer 0 | layer 1 | ... | layer num_layers-1 | tag    (no gaps, no header)
-    layer  = array of logical shape (2, n_tok_slots, num_kv_heads, head_dim),
-             C-contiguous, in the cache dtype; [0] is K, [1] is V
+    extent = slot 0 | slot 1 | ... | slot n_tok_slots-1 | tag    (no gaps, no header)
+    slot   = layer 0 | layer 1 | ... | layer num_layers-1
+    layer  = K then V, each (num_kv_heads, head_dim), C-contiguous, in the cache dtype
     tag    = TAG_BYTES bytes the packing side's connector writes after the KV (the
              request's token and the extent's place: kvcached_pd.connector.tokens);
              the pack and unpack kernels never touch it
 
-Version 1 had no tag. The tag is what makes a read of the wrong bytes detectable before
-they are used: the decode side checks it against the request's params before it
-unpacks (see ``kvcached_pd.connector.tokens``).
+so the extent is one array of logical shape ``(n_tok_slots, num_layers, 2,
+num_kv_heads, head_dim)`` followed by the tag. Token-major makes every suffix of a
+request's tokens, with the tag, one contiguous byte range (:meth:`PackedFormat.window`)
+whatever either side's block size: a decode side that already holds a prompt's first
+tokens in its prefix cache reads only ``[slot_offset(first), extent_bytes)`` and still
+reads, and checks, the tag. Version 2 was layer-major (per layer ``(2, n_tok_slots,
+heads, head_dim)``): a token suffix there was ``2 x num_layers`` ranges, so D read the
+whole extent whatever it held (issue 23: round 2 of a repeated-prompt benchmark 22x
+slower than vLLM's own PD, which reads only the blocks D lacks). Version 1 had no tag.
+
+The tag is what makes a read of the wrong bytes detectable before they are used: the
+decode side checks it against the request's params before it unpacks (see
+``kvcached_pd.connector.tokens``).
 
 Token slot ``t`` holds the request's token ``t``; slots ``[num_tokens, n_tok_slots)``
 are padding (whatever the packing side's last block held there). ``n_tok_slots`` and
@@ -42,7 +52,7 @@ __all__ = [
     "packed_extent_view",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 TAG_BYTES = 32  # after the KV of every extent: a 16-byte token, the extent's size and offset
 
 
@@ -108,12 +118,22 @@ class PackedFormat:
         """Size of an extent holding ``n_tok_slots`` token slots of every layer, and its tag."""
         return self.kv_bytes(n_tok_slots) + TAG_BYTES
 
-    def layer_offset(self, layer: int, n_tok_slots: int) -> int:
-        """Byte offset of ``layer``'s array inside an extent of ``n_tok_slots`` slots."""
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
+    def slot_offset(self, slot: int) -> int:
+        """Byte offset of token slot ``slot`` (all its layers) inside any extent."""
+        if slot < 0:
+            raise ValueError(f"token slot {slot} is negative")
+        return slot * self.bytes_per_token_all_layers
+
+    def window(self, n_tok_slots: int, first_slot: int = 0) -> tuple[int, int]:
+        """``(start, nbytes)``: the one byte range of an extent of ``n_tok_slots`` slots
+        that holds slots ``[first_slot, n_tok_slots)`` and the tag, which is what a side
+        that already holds the first ``first_slot`` tokens reads."""
         _check_slots(n_tok_slots)
-        return layer * n_tok_slots * self.bytes_per_token_one_layer
+        if not 0 <= first_slot < n_tok_slots:
+            raise ValueError(f"first slot {first_slot} outside an extent of {n_tok_slots} "
+                             "token slots")
+        start = self.slot_offset(first_slot)
+        return start, self.extent_bytes(n_tok_slots) - start
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form for the handshake and ``kv_transfer_params``."""
@@ -174,26 +194,29 @@ def _check_slots(n_tok_slots: int) -> None:
         raise ValueError(f"n_tok_slots must be positive, got {n_tok_slots}")
 
 
-def packed_extent_view(extent: torch.Tensor, fmt: PackedFormat, n_tok_slots: int) -> torch.Tensor:
-    """View a contiguous extent (any dtype, e.g. staging ``uint8``) as
-    ``(num_layers, 2, n_tok_slots, num_kv_heads, head_dim)`` in the format's dtype.
+def packed_extent_view(extent: torch.Tensor, fmt: PackedFormat, n_tok_slots: int,
+                       first_slot: int = 0) -> torch.Tensor:
+    """View a contiguous window of an extent (any dtype, e.g. staging ``uint8``) as
+    ``(n_tok_slots - first_slot, num_layers, 2, num_kv_heads, head_dim)`` in the
+    format's dtype: token slots ``[first_slot, n_tok_slots)``.
 
-    The extent must be exactly ``fmt.extent_bytes(n_tok_slots)`` long (its tag
-    included; the view leaves the tag out): a size mismatch means the two sides
-    disagree on ``n_tok_slots`` and is never papered over.
+    The window must be exactly :meth:`PackedFormat.window` long (the tag included; the
+    view leaves it out): the whole extent when ``first_slot`` is 0. A size mismatch
+    means the two sides disagree on ``n_tok_slots`` and is never papered over.
     """
     if not extent.is_contiguous():
         raise ValueError(f"packed extent must be contiguous, got strides {extent.stride()}")
-    expected = fmt.extent_bytes(n_tok_slots)
+    _, expected = fmt.window(n_tok_slots, first_slot)
     actual = extent.numel() * extent.element_size()
     if actual != expected:
         raise ValueError(
-            f"packed extent holds {actual} bytes but {n_tok_slots} token slots of {fmt} "
-            f"need {expected}"
+            f"packed extent holds {actual} bytes but token slots [{first_slot}, "
+            f"{n_tok_slots}) of {fmt} need {expected}"
         )
+    slots = n_tok_slots - first_slot
     return (
         extent.reshape(-1)
-        .view(torch.uint8)[: fmt.kv_bytes(n_tok_slots)]
+        .view(torch.uint8)[: expected - TAG_BYTES]
         .view(fmt.torch_dtype)
-        .view(fmt.num_layers, 2, n_tok_slots, fmt.num_kv_heads, fmt.head_dim)
+        .view(slots, fmt.num_layers, 2, fmt.num_kv_heads, fmt.head_dim)
     )

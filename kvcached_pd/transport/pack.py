@@ -1,10 +1,12 @@
 """Gather a request's KV blocks into a packed extent, and scatter an extent into blocks.
 
 Prefill packs a finished request's blocks of every layer into one contiguous extent of
-its staging buffer (:func:`pack_request`); decode pulls that extent with one or a few
-large NIXL descriptors and scatters it into its own blocks (:func:`unpack_request`).
-The extent is in the canonical format of :mod:`kvcached_pd.transport.format`, so the two
-sides may differ in cache layout and block size.
+its staging buffer (:func:`pack_request`); decode pulls that extent, or only the window
+of the tokens its prefix cache lacks, with one or a few large NIXL descriptors and
+scatters it into its own blocks (:func:`unpack_request`). The extent is in the canonical
+format of :mod:`kvcached_pd.transport.format` (token-major), so the two sides may differ
+in cache layout and block size; the kernels address it through its layer-major view
+(:func:`_layer_major`), the logical shape the caches' views share.
 
 Both directions are single torch gather/scatter kernels over the strided logical views
 of :mod:`kvcached_pd.transport.layout`: ``index_select`` (dim = blocks) writes straight
@@ -126,6 +128,13 @@ def _as_layers(layer_views: LayerViews) -> KVCacheLayers:
     return KVCacheLayers.from_views(layer_views)
 
 
+def _layer_major(packed: torch.Tensor) -> torch.Tensor:
+    """The token-major packed view ``(slots, L, 2, H, D)`` as ``(L, 2, slots, H, D)``
+    (a permuted view, no copy): slot ``t`` of ``(layer, kv)`` at element
+    ``t * L*2*H*D + (layer * 2 + kv) * H*D``, the formula :mod:`.pack_triton` uses."""
+    return packed.permute(1, 2, 0, 3, 4)
+
+
 def _check_layers_match_format(layers: KVCacheLayers, fmt: PackedFormat) -> None:
     """The caches are "here", ``fmt`` (usually the peer's) "at the peer" in errors."""
     _, _, _, heads, head_dim = layers.layers[0].shape
@@ -227,11 +236,11 @@ def _pack_kv(layers: KVCacheLayers, index: torch.Tensor, packed: torch.Tensor) -
     if plan is not None:
         words = packed.view(plan.word)
         pack_triton.copy_blocks(plan.words, plan.addrs, index, words.reshape(-1),
-                                words[0, 0].numel(), to_packed=True)
+                                words[0].numel(), to_packed=True)
         return
     sources = (layers.stacked,) if layers.stacked is not None else layers.layers
     word = _widest_word((packed, *sources))
-    by_block = packed.view(word).unflatten(2, (num_blocks, block_size))
+    by_block = _layer_major(packed.view(word)).unflatten(2, (num_blocks, block_size))
     if layers.stacked is not None:
         torch.index_select(layers.stacked.view(word), 2, index, out=by_block)
     else:
@@ -247,6 +256,7 @@ def unpack_request(
     num_tokens: int,
     src_tok_slots: int,
     first_token: int = 0,
+    extent_first: int = 0,
     started: Any = None,
 ) -> None:
     """Scatter a packed extent of ``src_tok_slots`` token slots into ``block_ids``.
@@ -255,8 +265,11 @@ def unpack_request(
     blocks that hold tokens ``[first_token, num_tokens)`` on this side, in token order;
     the caches' block size need not match the packing side's. ``first_token`` (a
     multiple of this side's block size) skips the prompt's first tokens: the blocks
-    this side already holds from its own prefix cache, which are left untouched. See
-    the module docstring for positions past ``num_tokens``. ``started``: as in
+    this side already holds from its own prefix cache, which are left untouched.
+    ``in_extent`` holds token slots ``[extent_first, src_tok_slots)`` and the tag
+    (:meth:`~kvcached_pd.transport.format.PackedFormat.window`): 0, the whole extent,
+    or ``first_token``, the window a decode side with a prefix hit reads. See the
+    module docstring for positions past ``num_tokens``. ``started``: as in
     :func:`pack_request`.
     """
     layers = _as_layers(layer_views)
@@ -267,6 +280,9 @@ def unpack_request(
     if not 0 <= first_token < num_tokens or first_token % block_size:
         raise ValueError(f"first_token={first_token} must be a multiple of the block size "
                          f"{block_size} below num_tokens={num_tokens}")
+    if not 0 <= extent_first <= first_token:
+        raise ValueError(f"an extent window from slot {extent_first} does not hold "
+                         f"tokens from {first_token}")
     ids = _host_block_ids(block_ids, layers.num_blocks)
     needed = math.ceil((num_tokens - first_token) / block_size)
     if len(ids) != needed:
@@ -274,20 +290,19 @@ def unpack_request(
             f"tokens [{first_token}, {num_tokens}) fill {needed} blocks of {block_size} "
             f"tokens, got {len(ids)} block ids"
         )
-    packed = packed_extent_view(in_extent, fmt, src_tok_slots)
+    packed = packed_extent_view(in_extent, fmt, src_tok_slots, extent_first)
     _check_same_device(packed, layers)
     host, at = _host_buffer(ids, layers.device)
     _record_start(started, layers.device)
-    if first_token:
-        # The remaining tokens as an extent of their own (one device copy), so both
-        # kernels see the contiguous layout they move.
-        packed = packed[:, :, first_token:].contiguous()
-        src_tok_slots -= first_token
-        num_tokens -= first_token
+    # Tokens from first_token on: token-major, a contiguous tail of the window (a view)
+    packed = packed[first_token - extent_first:]
+    src_tok_slots -= first_token
+    num_tokens -= first_token
     plan = _triton_plan(layers, packed)
     targets = (layers.stacked,) if layers.stacked is not None else layers.layers
     word = plan.word if plan is not None else _widest_word((packed, *targets))
-    packed = packed.view(word)
+    flat = packed.view(word)
+    packed = _layer_major(flat)
 
     # Blocks wholly covered by the extent go in one scatter; when this side's blocks are
     # larger than the packing side's, the last block may be covered only in part.
@@ -300,8 +315,8 @@ def unpack_request(
 
     if plan is not None:
         if full_blocks:
-            pack_triton.copy_blocks(plan.words, plan.addrs, index, packed.reshape(-1),
-                                    packed[0, 0].numel(), to_packed=False)
+            pack_triton.copy_blocks(plan.words, plan.addrs, index, flat.reshape(-1),
+                                    flat[0].numel(), to_packed=False)
         if partial_tokens:
             for layer, target in enumerate(plan.words):
                 target[:, partial_block, :partial_tokens].copy_(packed[layer, :, covered:])
@@ -405,14 +420,20 @@ def self_check(layers: KVCacheLayers, fmt: PackedFormat, num_blocks: int = 6) ->
     pack_request(candidate, ids, extents[1], fmt)
     if not torch.equal(extents[0], extents[1]):
         return "packed extents differ"
-    targets = []
-    for layer_set in (reference, candidate):
-        for view in layer_set.layers:
-            _as_bits(view).zero_()
-        unpack_request(layer_set, [1, 3, 4, 5], extents[0], fmt, slots - 3, slots)
-        targets.append(torch.cat([_as_bits(v).flatten() for v in layer_set.layers]))
-    if not torch.equal(targets[0], targets[1]):
-        return "unpacked blocks differ"
+    # the whole extent, and the window of a decode side holding the first block
+    bs = layers.block_size
+    start, _ = fmt.window(slots, bs)
+    windows = [(0, extents[0])] + ([(bs, extents[0][start:])] if slots - 3 > bs else [])
+    for first, src in windows:
+        targets = []
+        for layer_set in (reference, candidate):
+            for view in layer_set.layers:
+                _as_bits(view).zero_()
+            unpack_request(layer_set, [1, 3, 4, 5][first // bs:], src, fmt, slots - 3, slots,
+                           first, first)
+            targets.append(torch.cat([_as_bits(v).flatten() for v in layer_set.layers]))
+        if not torch.equal(targets[0], targets[1]):
+            return f"unpacked blocks differ (tokens from {first})"
     return None
 
 
@@ -462,7 +483,7 @@ def pack_request_reference(
         bits = _as_bits(view)
         for kv in range(2):
             for slot in range(n_tok_slots):
-                packed[layer, kv, slot] = bits[kv, ids[slot // block_size], slot % block_size]
+                packed[slot, layer, kv] = bits[kv, ids[slot // block_size], slot % block_size]
     return extent
 
 
@@ -474,6 +495,7 @@ def unpack_reference(
     num_tokens: int,
     src_tok_slots: int,
     first_token: int = 0,
+    extent_first: int = 0,
 ) -> None:
     """Token-by-token Python loop of :func:`unpack_request` (same positions written).
     For tests only."""
@@ -482,11 +504,11 @@ def unpack_reference(
     block_size = layers.block_size
     if len(ids) != math.ceil((num_tokens - first_token) / block_size):
         raise ValueError(f"{len(ids)} block ids do not hold tokens [{first_token}, {num_tokens})")
-    packed = _as_bits(packed_extent_view(in_extent, fmt, src_tok_slots))
+    packed = _as_bits(packed_extent_view(in_extent, fmt, src_tok_slots, extent_first))
     written = min(len(ids) * block_size, src_tok_slots - first_token)
     for layer, view in enumerate(layers.layers):
         bits = _as_bits(view)
         for kv in range(2):
             for token in range(written):
                 bits[kv, ids[token // block_size], token % block_size] = (
-                    packed[layer, kv, first_token + token])
+                    packed[first_token - extent_first + token, layer, kv])

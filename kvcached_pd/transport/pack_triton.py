@@ -38,9 +38,9 @@ if triton is not None:
     def _copy_blocks_kernel(
         layer_addrs,  # int64[L]: byte address of each layer's view element [0, 0, 0, 0, 0]
         block_ids,  # int64[nb]: this side's block of packed block slot b
-        packed,  # the extent, as words
+        packed,  # the extent (token-major, packed format 3), as words
         nb,  # blocks copied per (layer, K|V)
-        packed_kv_stride,  # words between consecutive (layer, K|V) in the extent
+        packed_tok_stride,  # words per token slot (all layers' K and V) in the extent
         s_kv, s_blk, s_tok, s_head,  # the views' strides, in words (last dim stride 1)
         H: tl.constexpr, DW: tl.constexpr, BS: tl.constexpr,
         WORD_BYTES: tl.constexpr, TO_PACKED: tl.constexpr, BLOCK: tl.constexpr,
@@ -68,7 +68,10 @@ if triton is not None:
             cache = (base + cache_off * 2).to(tl.pointer_type(tl.int16))
         else:
             cache = (base + cache_off).to(tl.pointer_type(tl.uint8))
-        extent = packed + (layer * 2 + kv) * packed_kv_stride + b * per_block + e
+        # token slot b*BS + tok, then (layer, K|V), then (head, d): the torch path's
+        # pack._layer_major view, element [layer, kv, slot, head, d]
+        extent = (packed + (b * BS + tok) * packed_tok_stride + (layer * 2 + kv) * (H * DW)
+                  + rem)
         if TO_PACKED:
             tl.store(extent, tl.load(cache, mask=mask), mask=mask)
         else:
@@ -93,18 +96,19 @@ def copy_blocks(
     addrs: torch.Tensor,
     index: torch.Tensor,
     packed_words: torch.Tensor,
-    packed_kv_stride: int,
+    packed_tok_stride: int,
     to_packed: bool,
 ) -> None:
     """Copy ``index``'s blocks of every layer between ``words`` (the layers' views as
-    words, shape ``(2, N, bs, H, DW)``) and ``packed_words`` (a flat extent)."""
+    words, shape ``(2, N, bs, H, DW)``) and ``packed_words`` (a flat token-major extent,
+    or its window from the first token moved, ``packed_tok_stride`` words a slot)."""
     first = words[0]
     _, _, bs, heads, dw = first.shape
     s_kv, s_blk, s_tok, s_head = first.stride()[:4]
     nb = index.numel()
     grid = (len(words) * 2 * nb, triton.cdiv(bs * heads * dw, BLOCK))
     _copy_blocks_kernel[grid](
-        addrs, index, packed_words, nb, packed_kv_stride, s_kv, s_blk, s_tok, s_head,
+        addrs, index, packed_words, nb, packed_tok_stride, s_kv, s_blk, s_tok, s_head,
         H=heads, DW=dw, BS=bs, WORD_BYTES=first.element_size(), TO_PACKED=to_packed,
         BLOCK=BLOCK,
     )

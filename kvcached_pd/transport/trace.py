@@ -20,13 +20,16 @@ prefill  ``p_admit`` (scheduler: the request's extent reserved before vLLM sched
          ``p_blocks_released`` (P's blocks reported sent on D's DONE; absent when
          vLLM's own notification freed them first)
 decode   ``d_match`` (scheduler: the request is taken as staged, before vLLM allocates
-         its blocks; ``tokens``, ``since_arrival_ms``), ``d_alloc`` (scheduler allocated the blocks the KV lands in; ``remote_req``,
-         ``tokens``, ``since_arrival_ms``), ``read_posted`` (``bytes``, ``remote_req``),
-         ``read_done`` (``handoff_ms`` from post to the scatter enqueued; ``host_ms`` of
-         the scatter's host side, ``tag_ms`` of the tag read it shared with the loads
-         done in the same step),
-         ``d_recv_reported`` (the scheduler learnt it), ``d_compute_scheduled`` (the
-         step that runs the request's own forward, its first token on D; ``tokens``)
+         its blocks; ``tokens``, ``since_arrival_ms``), ``d_alloc`` (scheduler allocated
+         the blocks the KV lands in; ``remote_req``, ``tokens``, ``since_arrival_ms``),
+         ``read_posted`` (``bytes`` moved: from the first token D's prefix cache lacks,
+         tag included; ``skipped``: the bytes before them; ``remote_req``), ``read_done``
+         (``handoff_ms`` from post to the scatter enqueued; ``host_ms`` of the scatter's
+         host side, ``tag_ms`` of the tag read it shared with the loads done in the same
+         step), ``d_recv_reported`` (the scheduler learnt it), ``d_compute_scheduled``
+         (the step that runs the request's own forward, its first token on D;
+         ``tokens``); a full prefix hit instead: ``d_full_hit`` (scheduler;
+         ``cached_tokens``) and ``done_sent`` (the DONE alone; ``skipped``)
 
 Off by default: a disabled trace costs one cached boolean test per event.
 """

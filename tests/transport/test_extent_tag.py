@@ -41,9 +41,16 @@ def test_the_tag_follows_the_kv_and_is_checked_against_the_params(device):
     stream = torch.cuda.Stream() if device == "cuda" else None
     assert read_tag(extent, stream) == token + extent.numel().to_bytes(8, "little") \
         + offset.to_bytes(8, "little")
-    assert extent_check(extent, token.hex(), offset, stream) is None
-    assert "another request's token" in extent_check(extent, new_token().hex(), offset, stream)
-    assert "at offset 8192" in extent_check(extent, token.hex(), 0, stream)
+    n = extent.numel()
+    assert extent_check(extent, token.hex(), offset, n, stream) is None
+    assert "another request's token" in extent_check(extent, new_token().hex(), offset, n,
+                                                     stream)
+    assert "at offset 8192" in extent_check(extent, token.hex(), 0, n, stream)
+    # a prefix hit reads the tail from its first missing token: the same tag, checked
+    # against the whole extent's place (a tail is never taken for a smaller extent)
+    tail = extent[fmt.window(slots, 8)[0]:]
+    assert extent_check(tail, token.hex(), offset, n, stream) is None
+    assert "tagged for" in extent_check(tail, token.hex(), offset, tail.numel(), stream)
     # the unpack reads the KV only: the tag never lands in a block
     out = [torch.zeros_like(c) for c in caches]
     unpack_request(KVCacheLayers.from_views(out), [0, 2], extent, fmt, 16, slots)
@@ -51,7 +58,7 @@ def test_the_tag_follows_the_kv_and_is_checked_against_the_params(device):
         assert torch.equal(got[:, [0, 2]], cache[:, ids])
     wipe_tag(extent)
     assert read_tag(extent, stream) == bytes(TAG_BYTES)
-    assert "another request's token" in extent_check(extent, token.hex(), offset, stream)
+    assert "another request's token" in extent_check(extent, token.hex(), offset, n, stream)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -20,35 +20,42 @@ FMT = PackedFormat(num_layers=4, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
 def test_sizes_and_offsets() -> None:
     per_token_one_layer = 2 * 8 * 128 * 2
-    assert FMT.version == FORMAT_VERSION == 2
+    assert FMT.version == FORMAT_VERSION == 3
     assert FMT.bytes_per_token_all_layers == 4 * per_token_one_layer
     assert FMT.kv_bytes(48) == 48 * 4 * per_token_one_layer
     assert FMT.extent_bytes(48) == 48 * 4 * per_token_one_layer + TAG_BYTES == 786464
-    assert [FMT.layer_offset(layer, 48) for layer in range(4)] == [
-        layer * 48 * per_token_one_layer for layer in range(4)
+    assert [FMT.slot_offset(slot) for slot in (0, 1, 47)] == [
+        slot * 4 * per_token_one_layer for slot in (0, 1, 47)
     ]
-    with pytest.raises(IndexError):
-        FMT.layer_offset(4, 48)
+    # the window a decode side holding 16 tokens reads: the rest of the extent, tag too
+    assert FMT.window(48, 16) == (FMT.slot_offset(16), FMT.extent_bytes(48) - FMT.slot_offset(16))
+    assert FMT.window(48) == (0, FMT.extent_bytes(48))
+    for bad in (-1, 48):
+        with pytest.raises(ValueError, match="outside an extent of 48 token slots"):
+            FMT.window(48, bad)
     with pytest.raises(ValueError):
         FMT.extent_bytes(0)
 
 
-def test_extent_view_puts_each_layer_at_its_offset_k_before_v() -> None:
+def test_extent_view_is_token_major_each_slot_every_layer_k_before_v() -> None:
     fmt = PackedFormat(num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32")
     slots = 5
     extent = torch.zeros(fmt.extent_bytes(slots), dtype=torch.uint8)
     packed = packed_extent_view(extent, fmt, slots)
-    assert packed.shape == (3, 2, slots, 2, 4) and packed.dtype == torch.float32
-    packed[2, 1, 3, 1, 2] = 1.0
+    assert packed.shape == (slots, 3, 2, 2, 4) and packed.dtype == torch.float32
+    packed[3, 2, 1, 1, 2] = 1.0  # slot 3, layer 2, V, head 1, element 2
     flat = extent.view(torch.float32)
-    layer_base = fmt.layer_offset(2, slots) // 4
-    v_base = slots * 2 * 4  # K of all slots, then V
-    assert flat.nonzero().flatten().tolist() == [layer_base + v_base + (3 * 2 + 1) * 4 + 2]
+    slot_base = fmt.slot_offset(3) // 4
+    layer_base = 2 * 2 * 2 * 4  # K and V of layers 0 and 1
+    assert flat.nonzero().flatten().tolist() == [slot_base + layer_base + (1 * 2 + 1) * 4 + 2]
+    # the window from slot 3 views the same element as its slot 0
+    start, _ = fmt.window(slots, 3)
+    assert packed_extent_view(extent[start:], fmt, slots, 3)[0, 2, 1, 1, 2] == 1.0
 
 
 def test_extent_view_refuses_a_wrong_size_or_non_contiguous_extent() -> None:
     fmt = PackedFormat(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16")
-    with pytest.raises(ValueError, match="holds 64 bytes but 4 token slots .* need 96"):
+    with pytest.raises(ValueError, match=r"holds 64 bytes but token slots \[0, 4\) .* need 96"):
         packed_extent_view(torch.zeros(64, dtype=torch.uint8), fmt, 4)
     with pytest.raises(ValueError, match="contiguous"):
         packed_extent_view(torch.zeros(128, dtype=torch.uint8)[::2], fmt, 4)

@@ -111,7 +111,7 @@ def test_non_contiguous_geometry_does_not_interleave_layers():
         assert not geometry.interleaves_layers, shape_name
 
 
-def pointer_math_copy_blocks(words, addrs, index, packed_words, packed_kv_stride, to_packed,
+def pointer_math_copy_blocks(words, addrs, index, packed_words, packed_tok_stride, to_packed,
                              block_stride_from_shape=False):
     """pack_triton's kernel, element for element: ``base[layer] + offset * word_bytes``,
     with one set of strides for every layer, into the raw reservations (not views).
@@ -125,6 +125,7 @@ def pointer_math_copy_blocks(words, addrs, index, packed_words, packed_kv_stride
     per_block = bs * heads * dw
     e = torch.arange(per_block)
     tok, head, d = e // (heads * dw), (e % (heads * dw)) // dw, e % dw
+    rem = e % (heads * dw)
     for layer, base in enumerate(addrs.tolist()):
         storage = words[layer].untyped_storage()  # the memory that address lies in
         assert storage.data_ptr() <= base < storage.data_ptr() + storage.nbytes()
@@ -133,11 +134,11 @@ def pointer_math_copy_blocks(words, addrs, index, packed_words, packed_kv_stride
             for b, blk in enumerate(index.tolist()):
                 off = kv * s_kv + blk * s_blk + tok * s_tok + head * s_head + d
                 cache = (base - storage.data_ptr()) // word_bytes + off
-                start = (layer * 2 + kv) * packed_kv_stride + b * per_block
+                extent = (b * bs + tok) * packed_tok_stride + (layer * 2 + kv) * heads * dw + rem
                 if to_packed:
-                    packed_words[start: start + per_block] = flat[cache]
+                    packed_words[extent] = flat[cache]
                 else:
-                    flat[cache] = packed_words[start: start + per_block]
+                    flat[cache] = packed_words[extent]
 
 
 @pytest.mark.parametrize("kernel", ["stacked", "per_layer", "triton_pointer_math"])

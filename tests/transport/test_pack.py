@@ -69,7 +69,9 @@ def round_trip(
 ) -> None:
     """P packs, D unpacks. D already holds its first ``cached_decode_blocks`` blocks
     (its own prefix cache): those, like every block outside the request, stay as they
-    were, and only tokens from ``first_token`` on are written."""
+    were, and only tokens from ``first_token`` on are written. D then unpacks the same
+    from the extent's window alone (:meth:`PackedFormat.window`: what it READs), as a
+    tensor of its own: the tokens it lacks lie in that one byte range."""
     generator = torch.Generator().manual_seed(seed)
     fmt = PackedFormat.for_cache(num_layers, heads, head_dim, dtype)
 
@@ -114,13 +116,19 @@ def round_trip(
         src_tok_slots,
         first_token,
     )
+    start, _ = fmt.window(src_tok_slots, first_token)
     for stack in (True, False):
-        actual = [buffer.clone() for buffer in poisoned]
-        layers = KVCacheLayers.from_views(decode.layout.logical_views(actual, g_d), stack=stack)
-        unpack_request(layers, d_received, extents[stack], fmt, num_tokens, src_tok_slots,
-                       first_token)
-        for got, want in zip(actual, expected):
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        sources = [(extents[stack], 0)]
+        if first_token:
+            sources.append((extents[stack][start:].clone(), first_token))
+        for source, extent_first in sources:
+            actual = [buffer.clone() for buffer in poisoned]
+            layers = KVCacheLayers.from_views(decode.layout.logical_views(actual, g_d),
+                                              stack=stack)
+            unpack_request(layers, d_received, source, fmt, num_tokens, src_tok_slots,
+                           first_token, extent_first)
+            for got, want in zip(actual, expected):
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
     # Semantics, independent of the reference implementations.
     d_views = decode.layout.logical_views(expected, g_d)
@@ -280,6 +288,37 @@ def test_decode_prefix_cache_hit_keeps_its_blocks(prefill_bs, decode_bs, num_tok
         device=device,
         cached_decode_blocks=cached,
     )
+
+
+def test_a_token_suffix_is_the_extents_tail() -> None:
+    """Token-major (format 3): the window from any token slot is the extent's tail, tag
+    included; every byte before it belongs to earlier tokens only. A layer-major extent
+    (format 2) kept tokens of every layer apart, so no tail held a suffix."""
+    g = Geometry(num_layers=3, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=4)
+    layout = LAYOUTS_BY_NAME["kv_first_split_half"]
+    fmt = PackedFormat.for_cache(3, 2, 4, torch.float16)
+    buffers = layout.new_buffers(g, torch.float16)
+    views = layout.logical_views(buffers, g)
+    for view in views:  # every element holds its token's index
+        view.copy_(torch.arange(4 * 4, dtype=torch.float16).view(1, 4, 4, 1, 1).expand_as(view))
+    extent = pack_request_reference(views, [0, 1, 2, 3], fmt)
+    for first in (0, 1, 5, 15):
+        start, nbytes = fmt.window(16, first)
+        assert start + nbytes == extent.numel()
+        kv = extent[:extent.numel() - 32].view(torch.float16)
+        split = start // 2
+        assert kv[split:].unique().tolist() == list(range(first, 16))
+        assert kv[:split].unique().tolist() == list(range(first))
+
+
+def test_unpack_refuses_a_window_that_starts_after_its_first_token() -> None:
+    views = _views()
+    start, _ = FMT.window(48, 32)
+    with pytest.raises(ValueError, match="window from slot 32 does not hold tokens from 16"):
+        unpack_request(views, [1, 2], _extent(48)[start:], FMT, 40, 48, 16, 32)
+    with pytest.raises(ValueError, match=r"token slots \[16, 48\)"):
+        unpack_request(views, [1, 2], _extent(48)[start:], FMT, 40, 48, 16, 16)
+    assert all(bool((view == 1.0).all()) for view in views)
 
 
 def test_unpack_refuses_a_first_token_off_the_block_grid() -> None:

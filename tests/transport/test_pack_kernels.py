@@ -2,7 +2,8 @@
 
 Triton needs a CUDA device, so on the CPU its kernel is replaced by an emulation with
 the kernel's contract (copy block ``index[b]`` of every (layer, K|V), located through
-the address table, to/from slot ``b`` of the flat extent). What is tested for real is
+the address table, to/from token slots ``b * bs ...`` of the flat token-major extent, at
+the kernel's own address formula). What is tested for real is
 everything around it: the plan (word views, address table), the self-check on small
 layers of the same stride pattern, the extent arithmetic of pack/unpack, the partial
 last block, and that a kernel that gets it wrong is never used.
@@ -28,11 +29,11 @@ from kvcached_pd.transport.pack import (
 from tests.transport.kv_cache_builders import LAYOUTS, Geometry, fill_random_bits
 
 
-def emulated_copy_blocks(words, addrs, index, packed_words, packed_kv_stride, to_packed,
+def emulated_copy_blocks(words, addrs, index, packed_words, packed_tok_stride, to_packed,
                          misplace=False):
     by_addr = {w.data_ptr(): w for w in words}
     assert addrs.dtype == torch.int64 and addrs.numel() == len(words)
-    per_block = words[0][0, 0].numel()
+    _, _, bs, heads, dw = words[0].shape
     ids = index.tolist()
     if misplace:  # a kernel bug: blocks land one slot off
         ids = ids[1:] + ids[:1]
@@ -40,12 +41,13 @@ def emulated_copy_blocks(words, addrs, index, packed_words, packed_kv_stride, to
         view = by_addr[addr]  # the table must point at each layer's own view
         for kv in range(2):
             for b, block in enumerate(ids):
-                start = (layer * 2 + kv) * packed_kv_stride + b * per_block
-                flat = packed_words[start: start + per_block]
-                if to_packed:
-                    flat.copy_(view[kv, block].reshape(-1))
-                else:
-                    view[kv, block].copy_(flat.view(view[kv, block].shape))
+                for tok in range(bs):  # pack_triton's formula for element (tok, 0, 0)
+                    start = (b * bs + tok) * packed_tok_stride + (layer * 2 + kv) * heads * dw
+                    flat = packed_words[start: start + heads * dw]
+                    if to_packed:
+                        flat.copy_(view[kv, block, tok].reshape(-1))
+                    else:
+                        view[kv, block, tok].copy_(flat.view(heads, dw))
 
 
 @pytest.fixture
@@ -66,7 +68,8 @@ def test_the_self_check_runs_the_kernel_both_ways(emulated_triton):
     fmt = PackedFormat.for_cache(3, 2, 4, torch.bfloat16)
     layers = KVCacheLayers.from_views(side(LAYOUTS[0], 16)[1], stack=False)
     assert select_kernel(layers, fmt).startswith("Triton")
-    assert calls == [True, False]  # one pack and one unpack through the kernel, no more
+    # one pack and two unpacks (the whole extent, a window from block 1) through the kernel
+    assert calls == [True, False, False]
 
 
 def side(layout, block_size, num_blocks=9, layers=3, heads=2, head_dim=4,
