@@ -165,14 +165,32 @@ def registering_without_kv(worker: Any, guard: KVGuard) -> Iterator[None]:
         return real_reg(descs, *args, **kwargs)
 
     before = guard.local_preps_replaced
-    with replace_wrapper_methods(wrapper, get_reg_descs=get_reg_descs,
-                                 **_guard_local_preps(worker, guard, wrapper)):
-        yield
-    if guard.local_preps_replaced == before:
-        raise UnsupportedConfiguration(
+    with _refused_unless(lambda: guard.local_preps_replaced > before, (
             "kvcached-pd: vLLM registered kvcached's contiguous layout but prepared no local "
             "descriptor list through NIXL's prep_xfer_dlist, so the guard that keeps its "
-            "per-block lists off the KV never ran; refusing to start unguarded")
+            "per-block lists off the KV never ran; refusing to start unguarded")), \
+            replace_wrapper_methods(wrapper, get_reg_descs=get_reg_descs,
+                                    **_guard_local_preps(worker, guard, wrapper)):
+        yield
+
+
+@contextlib.contextmanager
+def _refused_unless(ran, message: str) -> Iterator[None]:
+    """Fail closed when an armed guard inspected nothing (``ran()`` false afterwards):
+    a vLLM release that stops calling the NIXL method a guard hooks. NIXL usually fails
+    too then (NIXL_ERR_NOT_FOUND over unregistered or empty lists, as vLLM 0.33's
+    handshake did before its strided lists were guarded): that error becomes the cause
+    of this one, which says which guard did not run."""
+    try:
+        yield
+    except Exception as exc:
+        # NIXL's own refusal of the unguarded list; anything else vLLM raised before
+        # reaching the list (a layout it refuses, ...) is its own, more precise, error
+        if not ran() and type(exc).__module__.split(".")[0].startswith("nixl"):
+            raise UnsupportedConfiguration(message) from exc
+        raise
+    if not ran():
+        raise UnsupportedConfiguration(message)
 
 
 def advertise_no_blocks(worker: Any, guard: KVGuard, meta_cls: type) -> None:
@@ -253,15 +271,13 @@ def preparing_peer(worker: Any, nixl_agent_meta: Any) -> Iterator[None]:
 
             local = {"prep_xfer_dlist": both}
         methods.update(local)
-    with replace_wrapper_methods(wrapper, **methods):
-        yield
-    if peer_empty and not replaced:
-        raise UnsupportedConfiguration(
+    with _refused_unless(lambda: not peer_empty or bool(replaced), (
             f"kvcached-pd: peer {getattr(nixl_agent_meta, 'engine_id', '?')} registered no "
             "KV blocks (kvcached's contiguous layout), but vLLM prepared its remote "
             "descriptor list without a call kvcached-pd guards (get_xfer_descs, "
             "prep_xfer_dlist), so that list was never pointed at the peer's guard byte; "
-            "refusing the handshake")
+            "refusing the handshake")), replace_wrapper_methods(wrapper, **methods):
+        yield
 
 
 def _describes_no_block(descs: Any) -> bool:

@@ -269,3 +269,35 @@ def make_worker(vllm_config, kv_cache_config, push: bool = False, engine_id: str
                        kv_cache_config=kv_cache_config)
     finally:
         os.sched_setaffinity(0, affinity)  # the CPU platform pins a core for NIXL
+
+
+class _AgentNotCalling:
+    """The worker's real NIXL agent, as a vLLM release that no longer calls ``names``
+    would use it: kvcached-pd's hooks on those methods install (and uninstall) as
+    usual, but vLLM's calls reach the real methods, as vLLM 0.33's strided lists
+    reached ``prep_xfer_dlist`` without ever passing the hooked ``get_xfer_descs``."""
+
+    def __init__(self, agent, names: tuple[str, ...]) -> None:
+        object.__setattr__(self, "_agent", agent)
+        object.__setattr__(self, "_names", names)
+        object.__setattr__(self, "installed", {})  # the hooks, never called by vLLM
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+    def __setattr__(self, name, value) -> None:
+        if name in self._names:
+            self.installed[name] = value
+        else:
+            setattr(self._agent, name, value)
+
+
+@contextlib.contextmanager
+def vllm_not_calling(worker, *names: str):
+    """While inside: ``worker``'s vLLM code calls NIXL's ``names`` past any hook."""
+    agent = worker.nixl_wrapper
+    worker.nixl_wrapper = _AgentNotCalling(agent, names)
+    try:
+        yield
+    finally:
+        worker.nixl_wrapper = agent
