@@ -174,7 +174,12 @@ def inner_connector_class(name: str = "NixlConnector") -> type:
 
 
 def yield_req_data(scheduler_output: Any):
-    """(request id, new block ids per group, preempted) of every scheduled request."""
+    """(request id, block ids per group, whole table) of every scheduled request.
+
+    The third field is True where the ids are the request's whole block table, not this
+    step's additions: vLLM 0.33 names it ``is_full_table`` and sets it for new and
+    resumed requests; up to 0.32 it was ``preempted`` (resumed only), which is the same
+    for the connector's use, since a new request's table starts empty there."""
     from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data as impl
 
     return impl(scheduler_output)
