@@ -203,7 +203,7 @@ def side_channel_host() -> str:
 
 
 def side_channel_port(vllm_config: Any) -> int:
-    """vLLM's own NIXL side-channel port of this engine (every release 0.20-0.30: the
+    """vLLM's own NIXL side-channel port of this engine (every release 0.20-0.33: the
     ``VLLM_NIXL_SIDE_CHANNEL_PORT`` setting plus the data-parallel index), which a
     push-mode proxy hands D as ``remote_port`` before P has answered."""
     import vllm.envs as envs

@@ -84,7 +84,7 @@ def staged_reason(vllm_config: Any, kv_cache_config: Any,
 class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring.
 
-    ``SupportsHMA`` as vLLM's NixlConnector has it (every release 0.20-0.30): without it
+    ``SupportsHMA`` as vLLM's NixlConnector has it (every release 0.20-0.33): without it
     vLLM turns the hybrid KV-cache manager off, and ``is_hma_enabled`` is part of NIXL's
     compatibility hash, so a plain vLLM peer refused every handshake (seen on the host).
     The staged path itself serves one full-attention group; anything else is the inner

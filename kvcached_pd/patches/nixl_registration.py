@@ -13,7 +13,12 @@ the budget along its block dimension (same address, same strides, fewer blocks),
 every version's check passes with vLLM's own ``num_blocks``; and while vLLM registers,
 its NIXL wrapper is watched: registered ranges over kvcached memory are clipped to
 the bytes those narrowed views cover, and every local descriptor must fall inside
-them, or registration stops with an error.
+them, or registration stops with an error. Local lists reach NIXL through
+``get_xfer_descs`` up to vLLM 0.32 and, from 0.33, as Nx5 strided arrays straight
+through ``prep_xfer_dlist``; both are watched, and a strided row is checked over all
+the blocks it names. Each check counts what it inspected: a registration of kvcached
+memory where the clip or the descriptor check saw nothing (vLLM no longer calling what
+they hook, as 0.33 stopped calling ``get_xfer_descs``) stops too.
 
 Refused loudly (never mis-strided): tensors kvcached-pd has no geometry for, a budget
 that disagrees with the geometry kvcached created, hybrid/mamba models, head-major
