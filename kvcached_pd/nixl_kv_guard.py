@@ -186,11 +186,23 @@ def _refused_unless(ran, message: str) -> Iterator[None]:
     except Exception as exc:
         # NIXL's own refusal of the unguarded list; anything else vLLM raised before
         # reaching the list (a layout it refuses, ...) is its own, more precise, error
-        if not ran() and type(exc).__module__.split(".")[0].startswith("nixl"):
+        if not ran() and _raised_by_nixl(exc):
             raise UnsupportedConfiguration(message) from exc
         raise
     if not ran():
         raise UnsupportedConfiguration(message)
+
+
+def _raised_by_nixl(exc: BaseException) -> bool:
+    """An error of NIXL's (its bindings' types), or one raised inside NIXL's Python API
+    (NIXL 1.5's ``get_xfer_descs`` indexes an empty list: IndexError)."""
+    if type(exc).__module__.split(".")[0].startswith("nixl"):
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return module.split(".")[0].startswith("nixl")
 
 
 def advertise_no_blocks(worker: Any, guard: KVGuard, meta_cls: type) -> None:

@@ -269,10 +269,15 @@ def test_descriptor_check_that_saw_no_descriptor_stops_registration(split_env, v
         register_split(vllm_config, "get_xfer_descs", "prep_xfer_dlist")
 
 
-def test_descriptor_check_follows_vllm_033s_route(split_env, vllm_config):
-    """vLLM 0.33's lists never pass get_xfer_descs; going past it changes nothing: the
-    lists are checked in prep_xfer_dlist (on <= 0.32 there, after get_xfer_descs built
-    them), every one of the budget's blocks counted once."""
+def test_descriptor_check_without_get_xfer_descs(split_env, vllm_config):
+    """vLLM 0.33's lists never pass get_xfer_descs: they are checked in prep_xfer_dlist,
+    every one of the budget's blocks counted once. Up to 0.32 vLLM builds them there
+    and hands prep_xfer_dlist NIXL's list object, which nothing can read: going past
+    get_xfer_descs on those releases is the case above, refused."""
+    if vllm_release() < (0, 33):
+        with pytest.raises(UnsupportedConfiguration, match="descriptor bounds check saw no"):
+            register_split(vllm_config, "get_xfer_descs")
+        return
     register_split(vllm_config, "get_xfer_descs")
     assert REGISTRY.registrations()[-1]["num_descs_checked"] == LAYERS * BUDGET
 

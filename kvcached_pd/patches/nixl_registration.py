@@ -279,7 +279,11 @@ def _refuse_if_unchecked(worker: Any, plan: RegistrationPlan) -> None:
     memory but no registration row passed the clip, or no local descriptor passed the
     bounds check. That happens when a vLLM release stops calling the NIXL method a
     check hooks (vLLM 0.33 stopped calling ``get_xfer_descs``: the bounds check saw 0
-    descriptors and said nothing); the engine stops here rather than run unchecked."""
+    descriptors and said nothing); the engine stops here rather than run unchecked.
+    Not armed with a host buffer (``kv_buffer_device="cpu"`` on a GPU): NIXL then
+    registers and describes vLLM's own host copy, never kvcached memory."""
+    if getattr(worker, "use_host_buffer", False):
+        return
     unchecked = []
     if plan.num_reg_rows_clipped == 0:
         unchecked.append("the registration clip saw no registration over kvcached memory")
