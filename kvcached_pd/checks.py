@@ -13,7 +13,8 @@ import sys
 
 from kvcached_pd import config, serving
 from kvcached_pd.serving import ROUTING, STAGED, Serving
-from kvcached_pd.versions import SUPPORTED_VLLM, installed_version
+from kvcached_pd.versions import installed_version, parse_release
+from kvcached_pd.vllm_api import SUPPORTED_VLLM, api_for
 
 REQUIRED_FOR_NIXL = ("kvcached_coexistence", "nixl_layout", "nixl_registration")
 HEAD_MAJOR_LAYOUTS = ("HND", "LBHNC")
@@ -48,6 +49,23 @@ def vllm_version_problems() -> list[str]:
             f"({SUPPORTED_VLLM}); its NixlConnector hooks are unknown. Install a vLLM in "
             "that range, or run without ENABLE_KVCACHED or without a NIXL connector."
         ]
+    return nixl_version_problems(version)
+
+
+def nixl_version_problems(vllm_version: str, nixl_version: str | None = None) -> list[str]:
+    """The NIXL this vLLM release's connector needs (``VllmApi.min_nixl``): setup.cfg
+    can ask only for the oldest NIXL of the whole range, so a venv that keeps an older
+    NIXL under a newer vLLM is refused here, with the fix, instead of inside vLLM."""
+    record = api_for(vllm_version)
+    nixl_version = nixl_version if nixl_version is not None else (
+        installed_version("nixl") or installed_version("nixl-cu13")
+        or installed_version("nixl-cu12"))
+    if record is None or nixl_version is None:
+        return []  # no NIXL at all: vLLM's NIXL connector says so itself
+    if parse_release(nixl_version) < parse_release(record.min_nixl):
+        return [f"vLLM {vllm_version} needs NIXL >= {record.min_nixl} (its NIXL connector "
+                f"prepares strided descriptor lists); NIXL {nixl_version} is installed. "
+                f"Run: pip install 'nixl>={record.min_nixl}'"]
     return []
 
 

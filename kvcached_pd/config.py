@@ -326,7 +326,7 @@ VARIABLES: tuple[Variable, ...] = (
              "then stops startup)",
              _parse_disable, "disabled_patches"),
     Variable(KVCACHED_PD_TRANSPORT, "`staged` with kvcached, else `direct`", "`staged`: the "
-             "staged transport, kvcached-pd's connector (pull: vLLM 0.20-0.30; push: 0.24-0.30; "
+             "staged transport, kvcached-pd's connector (pull: vLLM 0.20-0.33; push: 0.24-0.33; "
              "asked for explicitly where it cannot serve, startup stops); `direct`: vLLM's own per-block descriptors over the physical budget",
              _parse_transport, "transport"),
     Variable(KVCACHED_PD_STAGING_MB, "sized from the engine", "MiB of staging per role "

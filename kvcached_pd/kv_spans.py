@@ -73,3 +73,33 @@ def clip_to(span: Span, allowed: list[Span]) -> list[Span]:
 
 def overlaps(span: Span, others: list[Span]) -> bool:
     return any(span[0] < b and a < span[1] for a, b in others)
+
+
+def descriptor_extents(descs: Any):
+    """``(starts, ends, blocks)`` of a plain NIXL transfer-descriptor list, as numpy
+    uint64 arrays, one entry per row.
+
+    Two forms exist: per-block rows ``(addr, len, dev)`` (a list of tuples or an Nx3
+    array; vLLM up to 0.32 builds these and passes them through ``get_xfer_descs``), and
+    vLLM 0.33's Nx5 strided rows ``(addr, len, dev, stride, count)`` handed straight to
+    ``prep_xfer_dlist``: ``count`` blocks of ``len`` bytes, ``stride`` apart. A strided
+    row covers ``addr .. addr + (count - 1) x stride + len`` (nothing where ``count`` is
+    0) and describes ``count`` blocks, so a check that requires every row to lie inside
+    the allowed bytes is exactly as strict for both forms, and counts blocks alike."""
+    import numpy as np
+
+    if hasattr(descs, "shape"):
+        arr = np.asarray(descs, dtype=np.uint64)
+    else:
+        arr = np.asarray([tuple(r)[:3] for r in descs], dtype=np.uint64)
+    if arr.size == 0:
+        empty = np.zeros(0, dtype=np.uint64)
+        return empty, empty, empty
+    arr = arr.reshape(len(arr), -1)
+    starts, lengths = arr[:, 0], arr[:, 1]
+    if arr.shape[1] == 5:
+        stride, count = arr[:, 3], arr[:, 4]
+        last = np.where(count > 0, count - 1, 0) * stride
+        ends = np.where(count > 0, starts + last + lengths, starts)
+        return starts, ends, count
+    return starts, starts + lengths, np.ones(len(arr), dtype=np.uint64)

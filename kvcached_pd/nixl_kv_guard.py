@@ -36,10 +36,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from kvcached_pd.errors import UnsupportedConfiguration
+
 logger = logging.getLogger("kvcached_pd")
 
 GUARD_BYTES = 4096
 LOCAL_AGENT = "NIXL_INIT_AGENT"  # the name NIXL's prep_xfer_dlist takes for local lists
+LOCAL_AGENT_NAMES = (LOCAL_AGENT, "")  # NIXL reads "" as NIXL_INIT_AGENT too
 STATE_ATTR = "_kvcached_pd_kv_guard"
 
 # Why the staged path does not move the KV being registered; None while kvcached-pd's
@@ -82,6 +85,9 @@ class KVGuard:
     tensor: Any  # GUARD_BYTES of ordinary memory, registered with NIXL instead of the KV
     device_id: int
     stand_ins: dict[str, Any]
+    # local descriptor lists vLLM prepared that were replaced by the guard's byte: the
+    # proof that the substitution ran (registering_without_kv refuses 0)
+    local_preps_replaced: int = 0
 
     @property
     def ptr(self) -> int:
@@ -119,7 +125,7 @@ def make_guard(kv_caches: dict[str, Any], blocks_dims: dict[str, int]) -> KVGuar
 
 
 @contextlib.contextmanager
-def _replace_wrapper_methods(wrapper: Any, **methods: Any) -> Iterator[None]:
+def replace_wrapper_methods(wrapper: Any, **methods: Any) -> Iterator[None]:
     originals = {name: getattr(wrapper, name) for name in methods}
     for name, method in methods.items():
         setattr(wrapper, name, method)
@@ -137,8 +143,10 @@ def _guard_local_preps(worker: Any, guard: KVGuard, wrapper: Any) -> dict[str, A
     real_prep, real_xfer = wrapper.prep_xfer_dlist, wrapper.get_xfer_descs
 
     def prep_xfer_dlist(agent_name, descs, *args, **kwargs):
-        if agent_name == LOCAL_AGENT:  # a list over this worker's KV: the guard's byte
+        if agent_name in LOCAL_AGENT_NAMES:  # a list over this worker's KV: the guard's byte
             descs = real_xfer([(guard.ptr, 1, guard.device_id)], worker.nixl_memory_type)
+            kwargs.pop("mem_type", None)  # an Nx5 list brought its own; the list has one
+            guard.local_preps_replaced += 1
         return real_prep(agent_name, descs, *args, **kwargs)
 
     return {"prep_xfer_dlist": prep_xfer_dlist}
@@ -156,9 +164,45 @@ def registering_without_kv(worker: Any, guard: KVGuard) -> Iterator[None]:
             descs = [(guard.ptr, GUARD_BYTES, guard.device_id, "")]
         return real_reg(descs, *args, **kwargs)
 
-    with _replace_wrapper_methods(wrapper, get_reg_descs=get_reg_descs,
-                                  **_guard_local_preps(worker, guard, wrapper)):
+    before = guard.local_preps_replaced
+    with _refused_unless(lambda: guard.local_preps_replaced > before, (
+            "kvcached-pd: vLLM registered kvcached's contiguous layout but prepared no local "
+            "descriptor list through NIXL's prep_xfer_dlist, so the guard that keeps its "
+            "per-block lists off the KV never ran; refusing to start unguarded")), \
+            replace_wrapper_methods(wrapper, get_reg_descs=get_reg_descs,
+                                    **_guard_local_preps(worker, guard, wrapper)):
         yield
+
+
+@contextlib.contextmanager
+def _refused_unless(ran, message: str) -> Iterator[None]:
+    """Fail closed when an armed guard inspected nothing (``ran()`` false afterwards):
+    a vLLM release that stops calling the NIXL method a guard hooks. NIXL usually fails
+    too then (NIXL_ERR_NOT_FOUND over unregistered or empty lists, as vLLM 0.33's
+    handshake did before its strided lists were guarded): that error becomes the cause
+    of this one, which says which guard did not run."""
+    try:
+        yield
+    except Exception as exc:
+        # NIXL's own refusal of the unguarded list; anything else vLLM raised before
+        # reaching the list (a layout it refuses, ...) is its own, more precise, error
+        if not ran() and _raised_by_nixl(exc):
+            raise UnsupportedConfiguration(message) from exc
+        raise
+    if not ran():
+        raise UnsupportedConfiguration(message)
+
+
+def _raised_by_nixl(exc: BaseException) -> bool:
+    """An error of NIXL's (its bindings' types), or one raised inside NIXL's Python API
+    (NIXL 1.5's ``get_xfer_descs`` indexes an empty list: IndexError)."""
+    if type(exc).__module__.split(".")[0].startswith("nixl"):
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return module.split(".")[0].startswith("nixl")
 
 
 def advertise_no_blocks(worker: Any, guard: KVGuard, meta_cls: type) -> None:
@@ -204,20 +248,66 @@ def preparing_peer(worker: Any, nixl_agent_meta: Any) -> Iterator[None]:
         yield
         return
     methods: dict[str, Any] = {}
+    replaced: list[int] = []
     if peer_empty:
-        real_xfer = wrapper.get_xfer_descs
+        real_xfer, real_prep = wrapper.get_xfer_descs, wrapper.prep_xfer_dlist
         remote = (int(nixl_agent_meta.kv_caches_base_addr[0]), 1, int(nixl_agent_meta.device_id))
 
         def get_xfer_descs(descs, *args, **kwargs):
             if _is_plain(descs) and len(descs) == 0:  # the peer's 0 blocks: its guard byte
                 descs = [remote]
+                replaced.append(1)
             return real_xfer(descs, *args, **kwargs)
 
-        methods["get_xfer_descs"] = get_xfer_descs
+        def prep_xfer_dlist(agent_name, descs, *args, **kwargs):
+            # vLLM 0.33 hands the peer's list to prep_xfer_dlist as Nx5 strided rows,
+            # (base, len, dev, stride, count 0) per region: the guard byte instead
+            if agent_name not in LOCAL_AGENT_NAMES and _describes_no_block(descs):
+                descs = _like(descs, remote)
+                replaced.append(1)
+            return real_prep(agent_name, descs, *args, **kwargs)
+
+        methods.update(get_xfer_descs=get_xfer_descs, prep_xfer_dlist=prep_xfer_dlist)
         logger.info("kvcached-pd: peer %s registered no KV blocks (kvcached's contiguous "
                     "layout): only its staging can be read; direct transfers fail",
                     getattr(nixl_agent_meta, "engine_id", "?"))
     if own is not None:
-        methods.update(_guard_local_preps(worker, own, wrapper))
-    with _replace_wrapper_methods(wrapper, **methods):
+        local = _guard_local_preps(worker, own, wrapper)
+        if "prep_xfer_dlist" in methods:  # both: the local guard first, then the peer's
+            remote_prep, local_prep = methods["prep_xfer_dlist"], local["prep_xfer_dlist"]
+
+            def both(agent_name, descs, *args, **kwargs):
+                if agent_name in LOCAL_AGENT_NAMES:
+                    return local_prep(agent_name, descs, *args, **kwargs)
+                return remote_prep(agent_name, descs, *args, **kwargs)
+
+            local = {"prep_xfer_dlist": both}
+        methods.update(local)
+    with _refused_unless(lambda: not peer_empty or bool(replaced), (
+            f"kvcached-pd: peer {getattr(nixl_agent_meta, 'engine_id', '?')} registered no "
+            "KV blocks (kvcached's contiguous layout), but vLLM prepared its remote "
+            "descriptor list without a call kvcached-pd guards (get_xfer_descs, "
+            "prep_xfer_dlist), so that list was never pointed at the peer's guard byte; "
+            "refusing the handshake")), replace_wrapper_methods(wrapper, **methods):
         yield
+
+
+def _describes_no_block(descs: Any) -> bool:
+    """A plain list with no rows, or Nx5 strided rows whose counts are all 0."""
+    if not _is_plain(descs):
+        return False
+    if len(descs) == 0:
+        return True
+    shape = getattr(descs, "shape", None)
+    return bool(shape is not None and len(shape) == 2 and shape[1] == 5
+                and int(descs[:, 4].sum()) == 0)
+
+
+def _like(descs: Any, row: tuple[int, int, int]) -> Any:
+    """One descriptor ``row`` in the form of ``descs`` (Nx5 strided: count 1)."""
+    shape = getattr(descs, "shape", None)
+    if shape is not None and len(shape) == 2 and shape[1] == 5:
+        import numpy as np
+
+        return np.array([[row[0], row[1], row[2], row[1], 1]], dtype=descs.dtype)
+    return [row]

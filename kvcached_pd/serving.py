@@ -90,7 +90,7 @@ def decide(settings: config.Settings, vllm_version: str | None,
     A pure function of its arguments, kept per process: every consumer asking about
     the same settings, release and name gets the same object.
 
-    The NIXL names of each release (pull on 0.20-0.30, push on 0.24-0.30) build
+    The NIXL names of each release (pull on 0.20-0.33, push on 0.24-0.33) build
     kvcached-pd's connector while ``connector_routing`` is on, and it can be named
     itself; with the routing disabled those names build vLLM's own connectors (the
     direct path). Elsewhere a requested ``staged`` means vLLM's own per-block path too.

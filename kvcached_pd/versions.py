@@ -51,6 +51,3 @@ class VersionRange:
     def __str__(self) -> str:
         return f">={self.minimum},<{self.below}"
 
-
-# The vLLM releases whose NixlConnector this project knows (DESIGN.md, supported matrix).
-SUPPORTED_VLLM = VersionRange("0.20", "0.31")

@@ -18,10 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
-
-from kvcached_pd.versions import installed_version, parse_release
+from kvcached_pd.versions import VersionRange, installed_version
 
 NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 FACTORY_MODULE = "vllm.distributed.kv_transfer.kv_connector.factory"
@@ -33,7 +30,7 @@ CONNECTOR_CLASS = "KvcachedPDConnector"
 class VllmApi:
     """One range of vLLM releases and how they spell what the connector uses."""
 
-    releases: str  # packaging specifier set over release numbers
+    releases: VersionRange  # [minimum, below) over release numbers
     # kv_connector names whose pull-mode NixlConnector the autopatch routes to ours
     pull_names: tuple[str, ...]
     # the push-mode connector (P WRITEs); None where vLLM has none
@@ -49,6 +46,12 @@ class VllmApi:
     init_takes_kv_cache_config: str  # "optional" or "required"
     # the module of NIXL_PACKAGE whose logger says P's lease freed a request's blocks
     worker_module: str
+    # the NixlKVConnectorStats series a failed NIXL handshake is counted in (0.31 moved
+    # it out of num_failed_transfers into its own record_failed_handshake())
+    failed_handshake_stat: str = "num_failed_transfers"
+    # the oldest NIXL this release's connector starts with (0.33 prepares Nx5 strided
+    # descriptor arrays, which nixl's prep_xfer_dlist takes from 1.5 on)
+    min_nixl: str = "0.7"
 
     @property
     def lease_expiry_logger(self) -> str:
@@ -60,30 +63,56 @@ class VllmApi:
         return self.pull_names + ((self.push_name,) if self.push_name else ())
 
     def contains(self, version: str) -> bool:
-        release = Version(".".join(str(p) for p in parse_release(version)))
-        return release in SpecifierSet(self.releases)
+        return self.releases.contains(version)
 
+
+_PULL_PUSH = ("NixlConnector", "NixlPullConnector")
+_PUSH = "NixlPushConnector"
 
 RELEASES: tuple[VllmApi, ...] = (
-    VllmApi(releases=">=0.20,<0.23", pull_names=("NixlConnector",), push_name=None,
+    VllmApi(releases=VersionRange("0.20", "0.23"), pull_names=("NixlConnector",), push_name=None,
             lease="abort_timeout", handshake_setter="set_xfer_handshake_metadata",
             init_takes_kv_cache_config="optional", worker_module="worker"),
     # 0.23.0 (checked; 0.21-0.22 not installed): the abort timeout is gone, P's lease
     # is kv_lease_duration, the engine calls the pp-aware handshake setter
-    VllmApi(releases=">=0.23,<0.24", pull_names=("NixlConnector",), push_name=None,
+    VllmApi(releases=VersionRange("0.23", "0.24"), pull_names=("NixlConnector",), push_name=None,
             lease="kv_lease", handshake_setter="set_xfer_handshake_metadata_pp_aware",
             init_takes_kv_cache_config="required", worker_module="worker"),
-    VllmApi(releases=">=0.24,<0.26", pull_names=("NixlConnector", "NixlPullConnector"),
+    VllmApi(releases=VersionRange("0.24", "0.26"), pull_names=("NixlConnector", "NixlPullConnector"),
             push_name="NixlPushConnector", lease="kv_lease",
             handshake_setter="set_xfer_handshake_metadata",
             init_takes_kv_cache_config="required", worker_module="base_worker"),
-    VllmApi(releases=">=0.26,<0.31", pull_names=("NixlConnector", "NixlPullConnector"),
-            push_name="NixlPushConnector", lease="kv_lease",
-            handshake_setter="set_xfer_handshake_metadata_pp_aware",
+    VllmApi(releases=VersionRange("0.26", "0.31"), pull_names=_PULL_PUSH, push_name=_PUSH,
+            lease="kv_lease", handshake_setter="set_xfer_handshake_metadata_pp_aware",
             init_takes_kv_cache_config="required", worker_module="base_worker"),
+    # 0.31.0: a failed handshake is counted by record_failed_handshake()
+    VllmApi(releases=VersionRange("0.31", "0.33"), pull_names=_PULL_PUSH, push_name=_PUSH,
+            lease="kv_lease", handshake_setter="set_xfer_handshake_metadata_pp_aware",
+            init_takes_kv_cache_config="required", worker_module="base_worker",
+            failed_handshake_stat="num_failed_handshakes"),
+    # 0.33.0: Nx5 strided descriptor arrays straight to prep_xfer_dlist (nixl >= 1.5;
+    # the registration patch checks those too)
+    VllmApi(releases=VersionRange("0.33", "0.34"), pull_names=_PULL_PUSH, push_name=_PUSH,
+            lease="kv_lease", handshake_setter="set_xfer_handshake_metadata_pp_aware",
+            init_takes_kv_cache_config="required", worker_module="base_worker",
+            failed_handshake_stat="num_failed_handshakes", min_nixl="1.5"),
 )
 
-SUPPORTED = ">=0.20,<0.31"
+
+def _span(records: tuple[VllmApi, ...]) -> VersionRange:
+    """The one range the records cover; they must follow each other without a gap."""
+    for before, after in zip(records, records[1:]):
+        if before.releases.below != after.releases.minimum:
+            raise AssertionError(f"vllm_api.RELEASES: {before.releases} and "
+                                 f"{after.releases} leave a gap or overlap")
+    return VersionRange(records[0].releases.minimum, records[-1].releases.below)
+
+
+# Every vLLM release kvcached-pd knows, derived from the table: the patches' ranges,
+# the routing, the metrics, the start-up check and the doctor read this one value, and
+# tests/test_config_and_versions.py checks setup.cfg's install_requires against it.
+SUPPORTED_VLLM = _span(RELEASES)
+SUPPORTED = str(SUPPORTED_VLLM)
 
 
 def api_for(version: str | None) -> VllmApi | None:
@@ -145,7 +174,12 @@ def inner_connector_class(name: str = "NixlConnector") -> type:
 
 
 def yield_req_data(scheduler_output: Any):
-    """(request id, new block ids per group, preempted) of every scheduled request."""
+    """(request id, block ids per group, whole table) of every scheduled request.
+
+    The third field is True where the ids are the request's whole block table, not this
+    step's additions: vLLM 0.33 names it ``is_full_table`` and sets it for new and
+    resumed requests; up to 0.32 it was ``preempted`` (resumed only), which is the same
+    for the connector's use, since a new request's table starts empty there."""
     from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data as impl
 
     return impl(scheduler_output)
@@ -169,7 +203,7 @@ def side_channel_host() -> str:
 
 
 def side_channel_port(vllm_config: Any) -> int:
-    """vLLM's own NIXL side-channel port of this engine (every release 0.20-0.30: the
+    """vLLM's own NIXL side-channel port of this engine (every release 0.20-0.33: the
     ``VLLM_NIXL_SIDE_CHANNEL_PORT`` setting plus the data-parallel index), which a
     push-mode proxy hands D as ``remote_port`` before P has answered."""
     import vllm.envs as envs

@@ -1,6 +1,6 @@
 """Where vLLM's NIXL connector classes live, per release (DESIGN.md's hook table).
 
-From 0.20 to 0.30 the ``...kv_connector.v1.nixl`` package's ``__init__`` imports every
+From 0.20 to 0.33 the ``...kv_connector.v1.nixl`` package's ``__init__`` imports every
 connector and worker class, so a post-import hook on the package sees them all. The
 classes that *define* the hooked methods moved in 0.24 (pull and push now share
 ``NixlBaseConnector`` / ``NixlBaseConnectorWorker``), which is why hooks are placed on

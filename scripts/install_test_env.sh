@@ -4,8 +4,10 @@
 # usage: scripts/install_test_env.sh VENV_DIR VLLM_VERSION [SHARED_TORCH_DIR [BASE_VENV]]
 #
 # vLLM's wheels pin a CUDA torch; vLLM goes in with --no-deps, followed by its own
-# declared requirements minus the GPU-only ones, against torch 2.13.0. Whatever build of
-# torch 2.13.0 the index gives is accepted: a CPU build where the machine has one (pip
+# declared requirements minus the GPU-only ones, against torch $TORCH_VERSION (default
+# 2.13.0, the pin of vLLM 0.30-0.32; vLLM 0.33 pins 2.14.0, which the index offers only as
+# a CUDA build, and runs its CPU tests on 2.13.0 too). Whatever build of that torch the
+# index gives is accepted: a CPU build where the machine has one (pip
 # here resolves a local file), PyPI's CUDA build elsewhere, which runs these tests on a
 # CPU just as well (it is larger: ~4 GB with its nvidia-* wheels). With
 # SHARED_TORCH_DIR, torch is installed there once and every venv sees it through a .pth
@@ -20,6 +22,7 @@ SHARED_TORCH=${3:-}
 # as usual and pip changes only what this release requires differently. The copy may keep
 # a package the other release needed and this one does not (nothing here imports one).
 BASE_VENV=${4:-}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # vLLM is installed without its GPU-only requirements on purpose, so every later pip
@@ -38,18 +41,18 @@ PY="$VENV/bin/python"
 if [ -n "$SHARED_TORCH" ]; then
   if [ ! -f "$SHARED_TORCH/.complete" ]; then
     rm -rf "$SHARED_TORCH"
-    "$PY" -m pip install -q --target "$SHARED_TORCH" torch==2.13.0 2>&1 | quiet
+    "$PY" -m pip install -q --target "$SHARED_TORCH" "torch==$TORCH_VERSION" 2>&1 | quiet
     touch "$SHARED_TORCH/.complete"
   fi
   PURELIB=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$SHARED_TORCH" > "$PURELIB/kvcached-pd-shared-torch.pth"
 else
-  "$PY" -m pip install -q torch==2.13.0 2>&1 | quiet
+  "$PY" -m pip install -q "torch==$TORCH_VERSION" 2>&1 | quiet
 fi
 "$PY" -c "import torch; print(f'torch {torch.__version__} ({\"CUDA \" + torch.version.cuda + \" build, runs on the CPU here\" if torch.version.cuda else \"CPU build\"})')"
 "$PY" -m pip install -q --no-deps "vllm==$VLLM_VERSION" 2>&1 | quiet
 "$PY" "$REPO/scripts/vllm_cpu_requirements.py" > "$VENV/vllm-cpu-requirements.txt"
-printf 'torch==2.13.0\ntransformers==5.17.0\n' > "$VENV/constraints.txt"
+printf 'torch==%s\ntransformers==5.17.0\n' "$TORCH_VERSION" > "$VENV/constraints.txt"
 "$PY" -m pip install -q -r "$VENV/vllm-cpu-requirements.txt" -c "$VENV/constraints.txt" 2>&1 | quiet
 "$PY" -m pip install -q --no-deps xgrammar==0.2.7 nixl==1.5.1 nixl-cu13==1.5.1 2>&1 | quiet
 # kvcached-pd itself (its vllm/nixl requirements are already satisfied by hand above)

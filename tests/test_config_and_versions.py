@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcached_pd import checks, config
+from kvcached_pd import checks, config, vllm_api
 from kvcached_pd.kv_spans import clip_to, merge_spans, physical_spans
-from kvcached_pd.versions import SUPPORTED_VLLM, VersionRange, parse_release
+from kvcached_pd.versions import VersionRange, parse_release
+from kvcached_pd.vllm_api import SUPPORTED_VLLM
 
 KNOWN = frozenset({"nixl_layout", "nixl_registration"})
 
@@ -21,12 +22,64 @@ def test_release_numbers_including_dev_builds(version, release):
 
 
 def test_supported_range_edges():
-    assert SUPPORTED_VLLM.contains("0.20.0") and SUPPORTED_VLLM.contains("0.30.9")
-    assert SUPPORTED_VLLM.contains("0.30.1.dev3+gdeadbee")
-    assert not SUPPORTED_VLLM.contains("0.19.1") and not SUPPORTED_VLLM.contains("0.31.0.dev1")
+    assert SUPPORTED_VLLM.contains("0.20.0") and SUPPORTED_VLLM.contains("0.33.9")
+    assert SUPPORTED_VLLM.contains("0.33.1.dev3+gdeadbee")
+    assert not SUPPORTED_VLLM.contains("0.19.1") and not SUPPORTED_VLLM.contains("0.34.0.dev1")
     assert str(VersionRange("0.24", "0.31")) == ">=0.24,<0.31"
     with pytest.raises(ValueError, match="cannot read a release"):
         parse_release("nightly")
+
+
+def _setup_cfg_requirement(name: str) -> str:
+    import configparser
+    import pathlib
+
+    cfg = configparser.ConfigParser()
+    cfg.read(pathlib.Path(__file__).resolve().parents[1] / "setup.cfg")
+    for line in cfg["options"]["install_requires"].splitlines():
+        line = line.strip()
+        if line.startswith(name) and not line.startswith("#"):
+            return line[len(name):]
+    raise AssertionError(f"setup.cfg requires no {name}")
+
+
+def test_every_vllm_bound_is_the_release_tables():
+    """The next vLLM release is one row of vllm_api.RELEASES: setup.cfg (which cannot
+    import the table) says the same range, and every patch's range is the table's or
+    lies inside it (routing, metrics, layout and registration patches read it)."""
+    from kvcached_pd.patches import PATCHES, get_patch
+
+    assert _setup_cfg_requirement("vllm") == str(SUPPORTED_VLLM)
+    for name in ("connector_routing", "connector_metrics", "nixl_layout", "nixl_registration"):
+        assert get_patch(name).vllm_range is SUPPORTED_VLLM, name
+    low, high = parse_release(SUPPORTED_VLLM.minimum), parse_release(SUPPORTED_VLLM.below)
+    for patch in PATCHES:
+        if patch.vllm_range is not None:
+            assert low <= parse_release(patch.vllm_range.minimum) and \
+                parse_release(patch.vllm_range.below) <= high, patch.name
+    for version in ("0.20.2", "0.26.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"):
+        assert vllm_api.api_for(version) is not None, version
+
+
+def test_release_table_rows_must_follow_each_other():
+    rows = vllm_api.RELEASES
+    gap = (rows[0], vllm_api.VllmApi(**{**rows[1].__dict__,
+                                        "releases": VersionRange("0.24", "0.26")}))
+    with pytest.raises(AssertionError, match="gap or overlap"):
+        vllm_api._span(gap)
+
+
+@pytest.mark.parametrize("vllm_version,nixl_version,refused", [
+    ("0.33.0", "1.4.2", True), ("0.33.0", "1.5.1", False), ("0.30.0", "0.7.1", False),
+    ("0.32.0", "1.0.0", False),
+])
+def test_the_nixl_a_release_starts_with(vllm_version, nixl_version, refused):
+    """setup.cfg asks for the oldest NIXL of the whole range (nixl>=0.7); vLLM 0.33's
+    strided lists need 1.5, checked at start-up with the command that fixes it."""
+    problems = checks.nixl_version_problems(vllm_version, nixl_version)
+    assert bool(problems) is refused
+    if refused:
+        assert "pip install 'nixl>=1.5'" in problems[0]
 
 
 @pytest.mark.parametrize("env,open_", [

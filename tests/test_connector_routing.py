@@ -154,3 +154,28 @@ def test_explicit_staged_without_the_routing_is_refused_with_both_ways_out():
     for name in api.nixl_names:
         problem = checks.contiguous_layout_problem(serving.decide(routing_off, version, name))
         assert problem is not None and problem.endswith(ways_out)
+
+
+def test_class_level_answers_are_the_inner_connectors_own(routing):
+    """vLLM asks the connector class, before any instance exists, whether it follows
+    sleep mode (0.33's ``supports_sleep_mode(kv_transfer_config)``): vLLM's pull
+    connector does, its push connector does not (P keeps D's registration across D's
+    sleep). kvcached-pd's connector answers as the connector it composes for that
+    config, routed or named directly, not always as the pull one."""
+    from vllm.config import KVTransferConfig
+
+    from kvcached_pd.connector import KvcachedPDConnector
+
+    inner = vllm_api.inner_connector_class()
+    if "supports_sleep_mode" not in dir(inner):
+        pytest.skip(f"vLLM {installed_version('vllm')} asks connectors nothing about sleep")
+    answers = {}
+    for name in vllm_api.current().nixl_names:
+        for cfg in (_transfer_config(name), KVTransferConfig(
+                kv_connector=vllm_api.CONNECTOR_CLASS, kv_role="kv_both",
+                kv_connector_module_path=vllm_api.CONNECTOR_MODULE,
+                kv_connector_extra_config={vllm_api.INNER_KEY: name})):
+            expected = vllm_api.inner_connector_class(name).supports_sleep_mode(cfg)
+            assert KvcachedPDConnector.supports_sleep_mode(cfg) is expected, (name, cfg)
+            answers[name] = expected
+    assert answers["NixlConnector"] is True and answers.get("NixlPushConnector") is False

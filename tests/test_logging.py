@@ -17,6 +17,13 @@ from tests.support import kvcached_cpu, subproc
 ON = dict(ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="1", KVCACHED_CONTIGUOUS_LAYOUT="false")
 
 IMPORT_NIXL = "import vllm.distributed.kv_transfer.kv_connector.v1.nixl\n"
+# What `vllm serve` does first on vLLM 0.31+, which no longer configures logging when
+# vllm.logger is imported: its CLI configures it from the parsed arguments (defaults
+# here). Earlier releases have no such step; the import configured them.
+SERVE_CONFIGURES_LOGGING = (
+    "import argparse, vllm.logger as vllm_logger\n"
+    "if hasattr(vllm_logger, 'configure_logging_from_args'):\n"
+    "    vllm_logger.configure_logging_from_args(argparse.Namespace())\n")
 
 
 def vllm_default_logging(**env) -> dict[str, str]:
@@ -27,12 +34,15 @@ def vllm_default_logging(**env) -> dict[str, str]:
 
 
 def info_lines(stdout: str) -> list[str]:
-    return [line for line in stdout.splitlines() if line.startswith("INFO") and "kvcached-pd:" in line]
+    """vLLM's INFO lines of kvcached-pd (0.31+ put "(MainProcess pid=...)" first)."""
+    return [line for line in stdout.splitlines()
+            if "INFO" in line.split("kvcached-pd:")[0].split() and "kvcached-pd:" in line]
 
 
 @pytest.mark.skipif(not kvcached_cpu.available(), reason="kvcached source not fetched")
 def test_plugin_entry_point_logs_through_vllms_handler():
-    code = "from vllm.plugins import load_general_plugins\nload_general_plugins()\n" + IMPORT_NIXL
+    code = ("from vllm.plugins import load_general_plugins\nload_general_plugins()\n"
+            + SERVE_CONFIGURES_LOGGING + IMPORT_NIXL)
     proc = subproc.run(code, env=vllm_default_logging(PYTHONPATH=kvcached_cpu.kvcached_src(), **ON))
     assert proc.returncode == 0, proc.stderr
     lines = info_lines(proc.stdout)  # vLLM's handler writes to stdout in vLLM's format
@@ -43,10 +53,14 @@ def test_plugin_entry_point_logs_through_vllms_handler():
 
 @pytest.mark.skipif(not kvcached_cpu.available(), reason="kvcached source not fetched")
 def test_checkout_sitecustomize_logs_once_vllm_configured_logging(tmp_path):
-    """Activated before vLLM is imported: the start-up line waits for vLLM's logging."""
+    """Activated before vLLM is imported: the start-up line waits for vLLM's logging
+    (on 0.31+ for vLLM to configure it: logged while the ``vllm`` logger still had
+    Python's default WARNING level, it was dropped, and kvcached-pd's level pinned there
+    dropped every later INFO line too)."""
     env = vllm_default_logging(
         PYTHONPATH=os.pathsep.join([subproc.REPO, kvcached_cpu.kvcached_src()]), **ON)
-    proc = subproc.run(IMPORT_NIXL, env=env, cwd=str(tmp_path))
+    proc = subproc.run("import vllm\n" + SERVE_CONFIGURES_LOGGING + IMPORT_NIXL, env=env,
+                       cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     lines = info_lines(proc.stdout)
     assert sum("kvcached-pd: active (vLLM" in line for line in lines) == 1, proc.stdout

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvcached_pd import nixl_kv_guard
+from kvcached_pd.errors import UnsupportedConfiguration
 from kvcached_pd.kv_spans import physical_spans
 from kvcached_pd.patches import get_patch
 from kvcached_pd.registry import REGISTRY
@@ -223,3 +224,107 @@ def test_two_contiguous_layout_workers_handshake(contiguous_env, vllm_config):
         assert not any(getattr(meta, "region_num_blocks", None) or ())
         agent = d_worker.add_remote_agent(meta, 0, 1)
     assert agent
+
+
+# ------------------------------------------- every armed check proves it inspected KV
+# vLLM 0.33 stopped calling get_xfer_descs: the descriptor bounds check, hooked there
+# alone, inspected 0 descriptors and said nothing, and the peer guard never pointed a
+# contiguous-layout peer's list at its guard byte (NIXL_ERR_NOT_FOUND). Each check now
+# counts what it inspected and refuses when armed and 0; here vLLM's calls go past the
+# hooks, as on the next release that moves them.
+
+@pytest.fixture
+def split_env(kvcached_env):
+    kvcached_cpu.install_stand_ins()
+    names = ("kvcached_alloc_mrv2", "nixl_layout", "nixl_registration")
+    for name in names:
+        get_patch(name).patch()
+    REGISTRY.clear()
+    yield
+    for name in names:
+        get_patch(name).unpatch()
+    REGISTRY.clear()
+
+
+def register_split(vllm_config, *not_called: str):
+    """kvcached's split layout (MRV2 allocation) registered by a worker whose vLLM code
+    calls NIXL's ``not_called`` past kvcached-pd's hooks."""
+    import kvcached.integration.vllm.model_runner_v2 as mrv2
+
+    config = kv_cache_config_layer_outermost()
+    layout = resolve_layout(vllm_config)
+    with kvcached_cpu.fake_device():
+        caches = mrv2.allocate_kv_cache(config, "cpu", layout)
+    with vw.backend_lookup(vw.attention_backend("FLASH_ATTN")):
+        worker = vw.make_worker(vllm_config, config)
+        with vw.vllm_not_calling(worker, *not_called):
+            worker.register_kv_caches(caches)
+    return worker
+
+
+def test_descriptor_check_that_saw_no_descriptor_stops_registration(split_env, vllm_config):
+    """Local lists reach NIXL past both hooked methods: 0 descriptors checked, refused
+    (before: logged as "0 local descriptors checked" and served)."""
+    with pytest.raises(UnsupportedConfiguration, match="descriptor bounds check saw no"):
+        register_split(vllm_config, "get_xfer_descs", "prep_xfer_dlist")
+
+
+def test_descriptor_check_without_get_xfer_descs(split_env, vllm_config):
+    """vLLM 0.33's lists never pass get_xfer_descs: they are checked in prep_xfer_dlist,
+    every one of the budget's blocks counted once. Up to 0.32 vLLM builds them there
+    and hands prep_xfer_dlist NIXL's list object, which nothing can read: going past
+    get_xfer_descs on those releases is the case above, refused."""
+    if vllm_release() < (0, 33):
+        with pytest.raises(UnsupportedConfiguration, match="descriptor bounds check saw no"):
+            register_split(vllm_config, "get_xfer_descs")
+        return
+    register_split(vllm_config, "get_xfer_descs")
+    assert REGISTRY.registrations()[-1]["num_descs_checked"] == LAYERS * BUDGET
+
+
+def test_registration_clip_that_saw_no_registration_stops_registration(split_env,
+                                                                      vllm_config):
+    """Registration reaches NIXL past get_reg_descs: nothing was clipped to the budget
+    (NIXL registered kvcached's whole virtual pools), refused."""
+    with pytest.raises(UnsupportedConfiguration, match="registration clip saw no"):
+        register_split(vllm_config, "get_reg_descs")
+
+
+def test_contiguous_guard_that_replaced_no_local_list_stops_registration(contiguous_env,
+                                                                        vllm_config):
+    """kvcached's contiguous layout: vLLM's local lists over the stand-ins reach NIXL
+    unguarded; refused with the reason, NIXL's own error as its cause."""
+    import kvcached.integration.vllm.model_runner_v2 as mrv2
+
+    config = kv_cache_config_block_outermost()
+    with kvcached_cpu.fake_device(total_memory=64 << 20, contiguous=True):
+        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+        caches = mrv2.allocate_kv_cache(
+            config, "cpu", resolve_kv_cache_layout(vllm_config, [["BLNHC", "BLHNC"]]))
+    with vw.backend_lookup(vw.attention_backend("FLASH_ATTN")):
+        worker = vw.make_worker(vllm_config, config)
+        with pytest.raises(UnsupportedConfiguration, match="guard that keeps its per-block"), \
+                vw.vllm_not_calling(worker, "prep_xfer_dlist"), \
+                nixl_kv_guard.registering_for_the_connector(None):
+            worker.register_kv_caches(caches)
+
+
+def test_peer_guard_that_replaced_no_remote_list_refuses_the_handshake(contiguous_env,
+                                                                      vllm_config):
+    """D's remote list for a contiguous-layout P (0 blocks) reaches NIXL unguarded:
+    the handshake is refused saying that the peer guard did not run (before: NIXL's
+    bare NIXL_ERR_NOT_FOUND, the symptom on vLLM 0.33)."""
+    import importlib
+
+    import msgspec
+
+    with vw.backend_lookup(vw.attention_backend("FLASH_ATTN")):
+        p_worker, _, _ = contiguous_worker(vllm_config, "p-contiguous")
+        d_worker, _, _ = contiguous_worker(vllm_config, "d-contiguous")
+        base_worker = importlib.import_module(f"{vw.NIXL}.base_worker")
+        meta = msgspec.msgpack.decode(p_worker.xfer_handshake_metadata.agent_metadata_bytes,
+                                      type=base_worker.NixlAgentMetadata)
+        with pytest.raises(UnsupportedConfiguration, match="never pointed at the peer's"), \
+                vw.vllm_not_calling(d_worker, "get_xfer_descs", "prep_xfer_dlist"):
+            d_worker.add_remote_agent(meta, 0, 1)

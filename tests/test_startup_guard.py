@@ -109,7 +109,7 @@ def test_explicit_staged_transport_serves_pull_on_every_release():
 
 def test_explicit_staged_transport_for_push_serves_everywhere_vllm_has_push():
     """Push mode is kvcached-pd's connector's (inner NixlPushConnector) on every release
-    with a push connector (0.24-0.30). Before 0.24 vLLM has no push connector and
+    with a push connector (0.24-0.33). Before 0.24 vLLM has no push connector and
     refuses the name itself."""
     env = dict(GOOD, KVCACHED_PD_TRANSPORT="staged", **kvcached_on_path())
     if push_name() is None:

@@ -30,10 +30,18 @@ def serve_parser():
         from vllm.platforms.cpu import CpuPlatform
 
         platforms._current_platform = CpuPlatform()
-    try:  # vLLM <= 0.29
-        from vllm.entrypoints.openai.cli_args import make_arg_parser
-    except ImportError:  # vLLM 0.30 moved the serve parser
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    import importlib
+
+    # where `vllm serve`'s parser lives: vLLM 0.33+, 0.30-0.32, <= 0.29
+    for module in ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args",
+                   "vllm.entrypoints.openai.cli_args"):
+        try:
+            make_arg_parser = importlib.import_module(module).make_arg_parser
+            break
+        except (ImportError, AttributeError):
+            continue
+    else:
+        raise AssertionError("no make_arg_parser in any module vLLM 0.20-0.33 keeps it in")
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     return make_arg_parser(FlexibleArgumentParser())

@@ -84,7 +84,7 @@ def staged_reason(vllm_config: Any, kv_cache_config: Any,
 class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring.
 
-    ``SupportsHMA`` as vLLM's NixlConnector has it (every release 0.20-0.30): without it
+    ``SupportsHMA`` as vLLM's NixlConnector has it (every release 0.20-0.33): without it
     vLLM turns the hybrid KV-cache manager off, and ``is_hma_enabled`` is part of NIXL's
     compatibility hash, so a plain vLLM peer refused every handshake (seen on the host).
     The staged path itself serves one full-attention group; anything else is the inner
@@ -446,11 +446,24 @@ def _forward(name: str):
     return method
 
 
+def _inner_class_asked(args: tuple) -> type:
+    """The inner connector class a class-level question is about: the one the config it
+    is asked with names (a KVTransferConfig, or a VllmConfig holding one), else
+    vLLM's NixlConnector."""
+    config = args[0] if args else None
+    transfer = config if hasattr(config, "kv_connector") else \
+        getattr(config, "kv_transfer_config", None)
+    if transfer is None:
+        return vllm_api.inner_connector_class()
+    return vllm_api.inner_connector_class(vllm_api.inner_connector_name(transfer))
+
+
 def _forward_class(name: str):
     def method(cls, *args, **kwargs):
-        # class-level questions (the KV layout it requires, ...) have the same answer
-        # for vLLM's pull and push connectors: both inherit them from one base
-        return getattr(vllm_api.inner_connector_class(), name)(*args, **kwargs)
+        # class-level questions go to the inner connector's class: most have one answer
+        # for vLLM's pull and push connectors (one base), not all (0.33's
+        # supports_sleep_mode: pull yes, push no)
+        return getattr(_inner_class_asked(args), name)(*args, **kwargs)
 
     method.__name__ = name
     return classmethod(method)

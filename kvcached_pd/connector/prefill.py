@@ -142,11 +142,11 @@ class PrefillScheduler:
         packs: dict[str, PackOrder] = {}
         slot = self.pack_steps % NUM_PACK_EVENTS
         num_scheduled = scheduler_output.num_scheduled_tokens or {}
-        for req_id, new_block_id_groups, preempted in yield_req_data(scheduler_output):
+        for req_id, new_block_id_groups, full_table in yield_req_data(scheduler_output):
             if req_id not in self.blocks or new_block_id_groups is None:
                 continue
             ids = self.blocks[req_id]
-            if preempted:
+            if full_table:  # resumed after preemption (or new): the whole table follows
                 ids.clear()
             ids.extend(new_block_id_groups[0])
             req = self.requests[req_id]

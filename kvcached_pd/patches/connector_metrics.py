@@ -2,7 +2,7 @@
 
 vLLM's NIXL stats travel from each process to the API server's Prometheus registry as
 a dict of lists (``NixlKVConnectorStats.data``) and become metrics in
-``NixlPromMetrics``; both classes are public and identical from vLLM 0.20 to 0.30.
+``NixlPromMetrics``; both classes are public and identical on every release of ``vllm_api.RELEASES`` (0.20-0.33).
 kvcached-pd's samples ride along under their own keys
 (:data:`kvcached_pd.connector.stats.STAT_KEYS`, which kvcached-pd's connector adds) and
 this patch makes ``vllm:kvcached_pd_*`` metrics of them:
@@ -21,7 +21,7 @@ import inspect
 from kvcached_pd import serving, vllm_api, vllm_nixl
 from kvcached_pd.connector.stats import STAT_KEYS
 from kvcached_pd.patches.base import Patch, wrap_hook
-from kvcached_pd.versions import VersionRange, installed_version
+from kvcached_pd.versions import installed_version
 
 STATS_MODULE = f"{vllm_nixl.NIXL_PACKAGE}.stats"
 
@@ -117,7 +117,7 @@ class ConnectorMetricsPatch(Patch):
     name = "connector_metrics"
     summary = "vllm:kvcached_pd_* metrics (staging occupancy, fallbacks, waits, handoff times)"
     target_module = vllm_nixl.NIXL_PACKAGE
-    vllm_range = VersionRange("0.20", "0.31")
+    vllm_range = vllm_api.SUPPORTED_VLLM
     fail_closed = False
 
     def applies(self, vllm_version: str | None = None) -> tuple[bool, str]:

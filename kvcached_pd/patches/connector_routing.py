@@ -10,7 +10,7 @@ also be named directly (``kv_connector_module_path="kvcached_pd.connector"``,
 ``kv_connector="KvcachedPDConnector"``); routing is then a no-op.
 
 The factory keeps one loader per registered name (``KVConnectorFactory._registry``,
-the same dict from vLLM 0.20 to 0.30; ``register_connector`` refuses names already
+the same dict on every release of ``vllm_api.RELEASES``; ``register_connector`` refuses names already
 there): the patch installs a copy whose pull names load kvcached-pd's connector, and
 ``unpatch`` puts vLLM's dict back (keeping names registered meanwhile). The inner connector is imported from
 vLLM's NIXL package directly, never through the factory, so routing cannot recurse.
@@ -25,9 +25,9 @@ import importlib
 
 from kvcached_pd import serving, vllm_api
 from kvcached_pd.patches.base import Patch
-from kvcached_pd.versions import VersionRange, installed_version
+from kvcached_pd.versions import installed_version
 
-ROUTED_RANGE = VersionRange("0.20", "0.31")  # the releases of vllm_api.RELEASES
+ROUTED_RANGE = vllm_api.SUPPORTED_VLLM  # every release of vllm_api.RELEASES
 
 
 def _loader():

@@ -23,7 +23,7 @@ from kvcached_pd import config
 from kvcached_pd.errors import UnsupportedConfiguration
 from kvcached_pd.checks import HEAD_MAJOR_LAYOUTS, layout_problems  # noqa: F401 (re-export)
 from kvcached_pd.patches.base import Patch
-from kvcached_pd.versions import SUPPORTED_VLLM
+from kvcached_pd.vllm_api import SUPPORTED_VLLM
 from kvcached_pd import vllm_nixl
 
 logger = logging.getLogger("kvcached_pd")

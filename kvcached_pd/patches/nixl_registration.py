@@ -13,7 +13,12 @@ the budget along its block dimension (same address, same strides, fewer blocks),
 every version's check passes with vLLM's own ``num_blocks``; and while vLLM registers,
 its NIXL wrapper is watched: registered ranges over kvcached memory are clipped to
 the bytes those narrowed views cover, and every local descriptor must fall inside
-them, or registration stops with an error.
+them, or registration stops with an error. Local lists reach NIXL through
+``get_xfer_descs`` up to vLLM 0.32 and, from 0.33, as Nx5 strided arrays straight
+through ``prep_xfer_dlist``; both are watched, and a strided row is checked over all
+the blocks it names. Each check counts what it inspected: a registration of kvcached
+memory where the clip or the descriptor check saw nothing (vLLM no longer calling what
+they hook, as 0.33 stopped calling ``get_xfer_descs``) stops too.
 
 Refused loudly (never mis-strided): tensors kvcached-pd has no geometry for, a budget
 that disagrees with the geometry kvcached created, hybrid/mamba models, head-major
@@ -45,11 +50,13 @@ from typing import Any, Iterator
 
 from kvcached_pd import config, nixl_kv_guard, serving, vllm_nixl
 from kvcached_pd.errors import LayoutMismatch, UnsupportedConfiguration
-from kvcached_pd.kv_spans import Span, clip_to, merge_spans, overlaps, physical_spans, within
+from kvcached_pd.kv_spans import (Span, clip_to, descriptor_extents, merge_spans, overlaps,
+                                  physical_spans, within)
 from kvcached_pd.patches.base import Patch
 from kvcached_pd.patches.nixl_layout import HEAD_MAJOR_LAYOUTS
 from kvcached_pd.registry import REGISTRY
-from kvcached_pd.versions import SUPPORTED_VLLM, installed_version
+from kvcached_pd.versions import installed_version
+from kvcached_pd.vllm_api import SUPPORTED_VLLM
 
 logger = logging.getLogger("kvcached_pd")
 
@@ -66,7 +73,8 @@ class RegistrationPlan:
     virtual: list[Span] = field(default_factory=list)  # the whole kvcached reservations
     virtual_blocks: int = 0
     registered: list[Span] = field(default_factory=list)
-    num_descs_checked: int = 0
+    num_descs_checked: int = 0  # local descriptor blocks over kvcached memory, checked
+    num_reg_rows_clipped: int = 0  # registration rows over kvcached memory, clipped
     interleaved: bool = False  # kvcached's contiguous layout: no per-block descriptor fits
     blocks_dims: dict[str, int] = field(default_factory=dict)
 
@@ -187,6 +195,7 @@ def _clip_registration(descs: Any, plan: RegistrationPlan) -> Any:
                 f"NIXL registration 0x{addr:x}+{length} covers kvcached memory but none "
                 "of its physical budget"
             )
+        plan.num_reg_rows_clipped += 1
         for s, e in pieces:
             out.append((s, e - s, *row[2:]))
             plan.registered.append((s, e))
@@ -198,55 +207,98 @@ def _clip_registration(descs: Any, plan: RegistrationPlan) -> Any:
 
 
 def _check_descs(descs: Any, plan: RegistrationPlan) -> None:
-    """Every local descriptor into kvcached memory must lie in the physical budget."""
+    """Every local descriptor into kvcached memory must lie in the physical budget
+    (per-block rows, and vLLM 0.33's strided rows over their whole extent)."""
     import numpy as np
 
     if not _is_plain(descs):
         return
-    arr = np.asarray(_rows(descs) if not hasattr(descs, "shape") else descs, dtype=np.uint64)
-    if arr.size == 0:
+    starts, ends, blocks = descriptor_extents(descs)
+    if len(starts) == 0:
         return
-    starts, ends = arr[:, 0], arr[:, 0] + arr[:, 1]
-    in_virtual = np.zeros(len(arr), dtype=bool)
+    described = ends > starts
+    in_virtual = np.zeros(len(starts), dtype=bool)
     for a, b in plan.virtual:
         in_virtual |= (starts < b) & (ends > a)
-    ok = np.zeros(len(arr), dtype=bool)
+    in_virtual &= described
+    ok = np.zeros(len(starts), dtype=bool)
     for a, b in plan.allowed:
         ok |= (starts >= a) & (ends <= b)
     bad = in_virtual & ~ok
-    plan.num_descs_checked += int(in_virtual.sum())
+    plan.num_descs_checked += int(blocks[in_virtual].sum())
     if bad.any():
         i = int(np.argmax(bad))
         raise LayoutMismatch(
-            f"NIXL descriptor 0x{int(starts[i]):x}+{int(arr[i, 1])} reaches kvcached memory "
-            f"outside the physical budget of {plan.budget_blocks} blocks; refusing to "
-            "register a layout that would move the wrong bytes"
+            f"NIXL descriptor 0x{int(starts[i]):x}..0x{int(ends[i]):x} ({int(blocks[i])} "
+            f"block(s)) reaches kvcached memory outside the physical budget of "
+            f"{plan.budget_blocks} blocks; refusing to register a layout that would move "
+            "the wrong bytes"
         )
 
 
 @contextlib.contextmanager
 def _watch_nixl_wrapper(worker: Any, plan: RegistrationPlan) -> Iterator[None]:
+    """While vLLM registers: clip its registration, check its local descriptor lists.
+
+    Local lists reach NIXL two ways: ``get_xfer_descs`` (vLLM up to 0.32 builds the list
+    first) and ``prep_xfer_dlist`` given plain rows (vLLM 0.33's Nx5 strided arrays,
+    which never pass ``get_xfer_descs``); both are watched, each list checked once
+    (NIXL's ``prep_xfer_dlist`` calls ``get_xfer_descs`` itself for plain Nx3 rows)."""
     wrapper = worker.nixl_wrapper
     real_reg = wrapper.get_reg_descs
     real_xfer = wrapper.get_xfer_descs
+    real_prep = wrapper.prep_xfer_dlist
+    checked_by_prep = []
 
     def get_reg_descs(descs, *args, **kwargs):
         return real_reg(_clip_registration(descs, plan), *args, **kwargs)
 
     def get_xfer_descs(descs, *args, **kwargs):
-        _check_descs(descs, plan)
+        if not checked_by_prep:
+            _check_descs(descs, plan)
         return real_xfer(descs, *args, **kwargs)
 
-    wrapper.get_reg_descs = get_reg_descs
-    wrapper.get_xfer_descs = get_xfer_descs
-    try:
+    def prep_xfer_dlist(agent_name, descs, *args, **kwargs):
+        if agent_name not in nixl_kv_guard.LOCAL_AGENT_NAMES:
+            return real_prep(agent_name, descs, *args, **kwargs)
+        _check_descs(descs, plan)
+        checked_by_prep.append(True)
+        try:
+            return real_prep(agent_name, descs, *args, **kwargs)
+        finally:
+            checked_by_prep.pop()
+
+    methods = {"get_reg_descs": get_reg_descs, "get_xfer_descs": get_xfer_descs,
+               "prep_xfer_dlist": prep_xfer_dlist}
+    with nixl_kv_guard.replace_wrapper_methods(wrapper, **methods):
         yield
-    finally:
-        for attr, real in (("get_reg_descs", real_reg), ("get_xfer_descs", real_xfer)):
-            try:
-                del wrapper.__dict__[attr]
-            except (KeyError, AttributeError, TypeError):
-                setattr(wrapper, attr, real)
+
+
+def _refuse_if_unchecked(worker: Any, plan: RegistrationPlan) -> None:
+    """Fail closed when an armed check inspected nothing: vLLM registered kvcached
+    memory but no registration row passed the clip, or no local descriptor passed the
+    bounds check. That happens when a vLLM release stops calling the NIXL method a
+    check hooks (vLLM 0.33 stopped calling ``get_xfer_descs``: the bounds check saw 0
+    descriptors and said nothing); the engine stops here rather than run unchecked.
+    Not armed with a host buffer (``kv_buffer_device="cpu"`` on a GPU): NIXL then
+    registers and describes vLLM's own host copy, never kvcached memory."""
+    if getattr(worker, "use_host_buffer", False):
+        return
+    unchecked = []
+    if plan.num_reg_rows_clipped == 0:
+        unchecked.append("the registration clip saw no registration over kvcached memory")
+    if plan.num_descs_checked == 0:
+        unchecked.append("the descriptor bounds check saw no local descriptor over "
+                         "kvcached memory")
+    if unchecked:
+        raise UnsupportedConfiguration(
+            f"kvcached-pd: {'; '.join(unchecked)} while vLLM {installed_version('vllm')} "
+            f"registered {len(plan.kv_caches)} kvcached KV tensor(s) (engine "
+            f"{getattr(worker, 'engine_id', '?')}): this vLLM's NIXL worker no longer "
+            "reaches the NIXL calls kvcached-pd checks, so nothing proves its descriptors "
+            "stay inside kvcached's physical budget. Use a vLLM release of the supported "
+            "matrix (README), or set KVCACHED_CONTIGUOUS_LAYOUT/ENABLE_KVCACHED off."
+        )
 
 
 def staged_refusal(worker: Any) -> str | None:
@@ -321,7 +373,8 @@ def _make_register_hook(original):
             return _register_without_kv(self, original, plan, args, kwargs)
         with _watch_nixl_wrapper(self, plan):
             result = original(self, plan.kv_caches, *args, **kwargs)
-        registered = merge_spans(plan.registered) or plan.allowed
+        _refuse_if_unchecked(self, plan)
+        registered = merge_spans(plan.registered)
         record = {
             "engine_id": str(getattr(self, "engine_id", "")),
             "tp_rank": int(getattr(self, "tp_rank", 0)),

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvcached_pd import vllm_nixl
 from kvcached_pd.patches.base import Patch
-from kvcached_pd.versions import SUPPORTED_VLLM
+from kvcached_pd.vllm_api import SUPPORTED_VLLM
 
 logger = logging.getLogger("kvcached_pd")
 

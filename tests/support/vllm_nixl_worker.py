@@ -174,20 +174,39 @@ def backend_lookup(backend) -> Iterator[None]:
 
 @dataclass
 class RecordedNixlCalls:
-    """What the real NIXL agent was asked to register and describe."""
+    """What the real NIXL agent was asked to register and describe (``xfer``: every
+    local and remote list, each as per-block (addr, len, dev) rows)."""
 
-    reg: list[tuple] 
+    reg: list[tuple]
     xfer: list[Any]
+
+
+def per_block_rows(descs):
+    """(addr, len, dev) per block: vLLM 0.33's Nx5 strided rows (addr, len, dev, stride,
+    count) expanded, per-block rows as they are."""
+    import numpy as np
+
+    rows = descs.tolist() if hasattr(descs, "tolist") else list(descs)
+    out = []
+    for r in rows:
+        if len(r) == 5:
+            addr, length, dev, stride, count = (int(x) for x in r)
+            out.extend((addr + i * stride, length, dev) for i in range(count))
+        else:
+            out.append((int(r[0]), int(r[1]), int(r[2])))
+    return np.array(out, dtype=np.uint64).reshape(-1, 3)
 
 
 @contextlib.contextmanager
 def record_nixl_calls(worker) -> Iterator[RecordedNixlCalls]:
-    """Spy (not fake) on the worker's real NIXL agent."""
-    import numpy as np
-
+    """Spy (not fake) on the worker's real NIXL agent: lists reach it through
+    ``get_xfer_descs`` (vLLM up to 0.32) or straight through ``prep_xfer_dlist``
+    (0.33's strided arrays); each list is recorded once."""
     rec = RecordedNixlCalls(reg=[], xfer=[])
     agent = worker.nixl_wrapper
-    real_reg, real_xfer = agent.get_reg_descs, agent.get_xfer_descs
+    real_reg, real_xfer, real_prep = (agent.get_reg_descs, agent.get_xfer_descs,
+                                      agent.prep_xfer_dlist)
+    in_prep = []
 
     def plain(descs) -> bool:  # NIXL re-enters with its own list objects: skip those
         return isinstance(descs, (list, tuple)) or type(descs).__module__ == "numpy"
@@ -199,16 +218,30 @@ def record_nixl_calls(worker) -> Iterator[RecordedNixlCalls]:
         return real_reg(descs, *a, **k)
 
     def get_xfer_descs(descs, *a, **k):
-        if plain(descs):
-            rows = descs.tolist() if hasattr(descs, "tolist") else descs
-            rec.xfer.append(np.array([(r[0], r[1], r[2]) for r in rows], dtype=np.uint64))
+        if plain(descs) and not in_prep:
+            rec.xfer.append(per_block_rows(descs))
         return real_xfer(descs, *a, **k)
 
-    agent.get_reg_descs, agent.get_xfer_descs = get_reg_descs, get_xfer_descs
+    def prep_xfer_dlist(agent_name, descs, *a, **k):
+        if plain(descs):
+            rec.xfer.append(per_block_rows(descs))
+        in_prep.append(True)
+        try:
+            return real_prep(agent_name, descs, *a, **k)
+        finally:
+            in_prep.pop()
+
+    names = ("get_reg_descs", "get_xfer_descs", "prep_xfer_dlist")
+    before = {n: agent.__dict__[n] for n in names if n in agent.__dict__}
+    agent.get_reg_descs, agent.get_xfer_descs, agent.prep_xfer_dlist = (
+        get_reg_descs, get_xfer_descs, prep_xfer_dlist)
     try:
         yield rec
     finally:
-        agent.get_reg_descs, agent.get_xfer_descs = real_reg, real_xfer
+        for name in names:
+            agent.__dict__.pop(name, None)
+            if name in before:
+                agent.__dict__[name] = before[name]
 
 
 def forget_resolved_layout() -> None:
@@ -236,3 +269,35 @@ def make_worker(vllm_config, kv_cache_config, push: bool = False, engine_id: str
                        kv_cache_config=kv_cache_config)
     finally:
         os.sched_setaffinity(0, affinity)  # the CPU platform pins a core for NIXL
+
+
+class _AgentNotCalling:
+    """The worker's real NIXL agent, as a vLLM release that no longer calls ``names``
+    would use it: kvcached-pd's hooks on those methods install (and uninstall) as
+    usual, but vLLM's calls reach the real methods, as vLLM 0.33's strided lists
+    reached ``prep_xfer_dlist`` without ever passing the hooked ``get_xfer_descs``."""
+
+    def __init__(self, agent, names: tuple[str, ...]) -> None:
+        object.__setattr__(self, "_agent", agent)
+        object.__setattr__(self, "_names", names)
+        object.__setattr__(self, "installed", {})  # the hooks, never called by vLLM
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+    def __setattr__(self, name, value) -> None:
+        if name in self._names:
+            self.installed[name] = value
+        else:
+            setattr(self._agent, name, value)
+
+
+@contextlib.contextmanager
+def vllm_not_calling(worker, *names: str):
+    """While inside: ``worker``'s vLLM code calls NIXL's ``names`` past any hook."""
+    agent = worker.nixl_wrapper
+    worker.nixl_wrapper = _AgentNotCalling(agent, names)
+    try:
+        yield
+    finally:
+        worker.nixl_wrapper = agent
