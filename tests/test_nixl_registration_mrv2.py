@@ -170,15 +170,9 @@ def contiguous_worker(vllm_config, engine_id, budget: int = BUDGET):
 def contiguous_env(kvcached_env):
     kvcached_env.setenv("KVCACHED_CONTIGUOUS_LAYOUT", "true")
     kvcached_env.setenv("KVCACHED_PD_TRANSPORT", "staged")
-    kvcached_cpu.install_stand_ins()
-    names = ("kvcached_alloc_mrv2", "nixl_layout", "nixl_registration", "connector_routing")
-    for name in names:
-        get_patch(name).patch()
-    REGISTRY.clear()
-    yield
-    for name in names:
-        get_patch(name).unpatch()
-    REGISTRY.clear()
+    with kvcached_cpu.patches_applied("kvcached_alloc_mrv2", "nixl_layout", "nixl_registration",
+                                      "connector_routing"):
+        yield
 
 
 def test_contiguous_layout_registers_no_kv_on_block_outermost_views(contiguous_env,
@@ -235,15 +229,8 @@ def test_two_contiguous_layout_workers_handshake(contiguous_env, vllm_config):
 
 @pytest.fixture
 def split_env(kvcached_env):
-    kvcached_cpu.install_stand_ins()
-    names = ("kvcached_alloc_mrv2", "nixl_layout", "nixl_registration")
-    for name in names:
-        get_patch(name).patch()
-    REGISTRY.clear()
-    yield
-    for name in names:
-        get_patch(name).unpatch()
-    REGISTRY.clear()
+    with kvcached_cpu.patches_applied("kvcached_alloc_mrv2", "nixl_layout", "nixl_registration"):
+        yield
 
 
 def register_split(vllm_config, *not_called: str):

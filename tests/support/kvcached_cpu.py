@@ -80,3 +80,23 @@ def fake_device(total_memory: int = 64 << 20, contiguous: bool = False):
             return
         with mock.patch.object(mrv2, "CONTIGUOUS_LAYOUT", contiguous):
             yield kvi
+
+
+@contextlib.contextmanager
+def patches_applied(*names: str):
+    """kvcached's CPU stand-ins, then the named kvcached-pd patches applied and the
+    registry empty, for the body; undone in reverse after it (fixtures of the
+    registration tests)."""
+    from kvcached_pd.patches import get_patch
+    from kvcached_pd.registry import REGISTRY
+
+    install_stand_ins()
+    for name in names:
+        get_patch(name).patch()
+    REGISTRY.clear()
+    try:
+        yield
+    finally:
+        for name in reversed(names):
+            get_patch(name).unpatch()
+        REGISTRY.clear()
