@@ -63,7 +63,8 @@ _PDEATHSIG_WRAPPER = (
 # Ports a harness listens on should lie below the kernel's ephemeral range (Linux:
 # 32768-60999 by default): a port that is free when it is chosen can be taken as the
 # local port of some outgoing connection before the server binds it. The offline tests
-# met exactly that (a fake server's "Address already in use" on a port of 36000+).
+# met exactly that (a fake server's "Address already in use" on a port of 36000+); they
+# use 11000-15700, below the 20767-31767 the connector tests draw side-channel ports from.
 
 
 class PortAllocator:

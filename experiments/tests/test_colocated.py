@@ -34,7 +34,7 @@ import probe_cuda_ipc  # noqa: E402
 from pd_modes import MODES, WIRE_ENV, expected_wire  # noqa: E402
 
 FAKE = [sys.executable, os.path.join(HERE, "fake_vllm.py")]
-_ports = pd_servers.PortAllocator(27000)  # below the ephemeral range: see PortAllocator
+_ports = pd_servers.PortAllocator(15000)  # below the ephemeral range: see PortAllocator
 MiB = 1 << 20
 
 

@@ -32,7 +32,7 @@ import pd_proxy  # noqa: E402
 import pd_servers  # noqa: E402
 
 FAKE = [sys.executable, os.path.join(HERE, "fake_vllm.py")]
-_ports = pd_servers.PortAllocator(23000)  # below the ephemeral range: see PortAllocator
+_ports = pd_servers.PortAllocator(13000)  # below the ephemeral range: see PortAllocator
 
 # A load the fake serves in about a second per mode: prefills of 20 ms per 1000 tokens,
 # a streamed token every 3 ms, so that aborts land during either leg.

@@ -25,7 +25,7 @@ import pd_proxy  # noqa: E402
 import pd_servers  # noqa: E402
 
 FAKE = [sys.executable, os.path.join(HERE, "fake_vllm.py")]
-_ports = pd_servers.PortAllocator(21000)  # below the ephemeral range: see PortAllocator
+_ports = pd_servers.PortAllocator(11000)  # below the ephemeral range: see PortAllocator
 
 
 def _start_fake(tmp_path, name, kv_role=None, env_extra=None, engine_id=None):
