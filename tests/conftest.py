@@ -20,6 +20,21 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 GATE_VARS = config.VARIABLE_NAMES
 
 
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """After the report and the JUnit file: a process that built NIXL agents ends here
+    (``nixl_quiet.exit_without_teardown`` says why)."""
+    if _EXIT_STATUS:
+        nixl_quiet.exit_without_teardown(_EXIT_STATUS[-1])
+
+
 @pytest.fixture(autouse=True)
 def fresh_settings():
     """Settings are parsed once per process; each test parses its own environment."""
