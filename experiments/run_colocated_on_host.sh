@@ -34,7 +34,8 @@
 # 45-120 s when 5-7 start at once on one GPU; the vanilla and NIXL-wire pairs move KV at
 # ~0.4 GB/s there, so their kvbig runs dominate parts a and b).
 #
-# Environment: KVPD_GPUS="P D" (default "0 0": both on GPU 0), TINY_MODEL=/tmp/tiny,
+# Environment: KVPD_GPUS="P D" (default "0 0": both on GPU 0), COLO_BUDGET_S (a part's
+#   seconds, default 560), COLO_ABORT_REPEATS (part d, default 5), TINY_MODEL=/tmp/tiny,
 #   KVBIG_MODEL=/tmp/kvbig, KVCACHED_PD_FROM=checkout (this checkout first on PYTHONPATH)
 #   | installed, COLO_DRY_RUN=1 (print each harness command instead of running it: the
 #   offline tests check every part's arguments with the harnesses' own parsers).
@@ -60,7 +61,7 @@ W=/tmp/kvpd-colo-$PART-$(date +%H%M%S)
 [ "$DRY" = 1 ] || mkdir -p "$W"
 [ "$DRY" = 1 ] || exec > >(tee -a "$OUT/$PART.log") 2>&1
 T0=$(date +%s)
-BUDGET=560  # the part's seconds: the host kills a command at 600
+BUDGET=${COLO_BUDGET_S:-560}  # the part's seconds: the host kills a command at 600
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 read -r P_GPU D_GPU <<< "${KVPD_GPUS:-0 0}"
 GPU_ARGS=(--prefill-gpu "$P_GPU" --decode-gpu "$D_GPU")
@@ -119,7 +120,7 @@ c)
   ;;
 d)
   traffic aborts $(( $(left) - 25 )) --model "$TINY" --modes kvpd-staged,kvpd-push \
-    --push-concurrent --issue-aborts --repeats 5 --expect-wire ipc "${GPU_ARGS[@]}"
+    --push-concurrent --issue-aborts --repeats "${COLO_ABORT_REPEATS:-5}" --expect-wire ipc "${GPU_ARGS[@]}"
   ;;
 e)
   [ "$DRY" = 1 ] || mkdir -p "$W/probe"

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# One GPU session's experiments, run in the background on the host so that the GPU never
+# waits for the next host command (each command may last 10 minutes, the whole lease 30,
+# and the start, uploads and install take about 5 of them).
+#
+#   bash experiments/gpu_host/session.sh start COMMIT   # after install_on_host.sh: returns at once
+#   bash experiments/gpu_host/session.sh wait SECONDS OUT   # returns when every lane is done
+#                                                         # or after SECONDS; packs into OUT
+#   bash experiments/gpu_host/session.sh dry COMMIT    # print the steps and their commands
+#
+# `start` copies this checkout to /tmp/kvpd-session/repo (a later host command replaces
+# the uploaded checkout; the running scripts must not see it change) and starts, in a new
+# process session (the host ends a command's other processes when it returns):
+#
+#   with two GPUs (SESSION_GPUS=2, the default when nvidia-smi lists two):
+#     lane T, GPU 0 alone, timings (P and D on GPU 0):
+#       handoff  bench_handoff.py with --baseline (the tree before format 3 and the host
+#                overhead cuts, .gpu/trees/462527c)
+#       ab21     bench_transfer.py staged-contiguous 4/94/1024 MiB of the tree before the
+#                untrusted-input hardening (211e4d9) and after (462527c), one after the other
+#       serve    bench_serve.py: vllm bench serve, round 1, round 2, shared prefixes:
+#                reference, vanilla, kvcached-pd pull and push (IPC wire)
+#       colo-a   run_colocated_on_host.sh part a (handoff 4/94/1024 MiB + TTFT batch)
+#     lane C, GPU 1 alone (P and D on GPU 1):
+#       colo-c and colo-d side by side: equivalence (prefix caching on D, negative control)
+#                and the issue's client aborts x3
+#       colo-b   the loads (timings: GPU 1 is alone, the host's CPUs are shared with lane T)
+#     lane X, once T and C are done, P on GPU 0 and D on GPU 1:
+#       cross-a  run_colocated_on_host.sh part a across the two GPUs
+#   with one GPU: one lane, in the order handoff, ab21, serve, colo-c, colo-d, colo-a,
+#     colo-b (every step alone on the GPU).
+# (bench_serve gets ports of its own, 22000+: the load harness's defaults serve lane C.)
+# Every step starts only if its estimate fits before the session's deadline
+# (SESSION_MINUTES after `start`, default 20; or SESSION_SECONDS) and is cut off there; steps.txt records each
+# step's rc, seconds and, for a step not run, why.
+#
+# `wait` packs lane by lane into OUT (the host hands back at most 8 files of <= 16 MiB):
+# session.txt (steps.txt + each lane's log tail), T.tar.gz, C.tar.gz, X.tar.gz (the
+# finished steps' trees), and each step's summary-*.txt. Safe to call more than once: each
+# call packs everything finished so far.
+set -uo pipefail
+S=/tmp/kvpd-session
+ACTION=${1:?usage: session.sh start COMMIT | wait SECONDS OUT | dry COMMIT}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+
+est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instances started at once)
+  [ -n "${SESSION_FAKE_STEPS:-}" ] && { echo 0; return; }
+  case $1 in
+    handoff) echo 3 ;; ab21) echo 4 ;; serve) echo 6 ;; colo-a|cross-a) echo 5 ;;
+    colo-c) echo 7 ;; colo-d) echo 5 ;; colo-b) echo 9 ;; *) echo 5 ;;
+  esac
+}
+
+step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the session's repo
+  local step=$1 w=$2
+  if [ -n "${SESSION_FAKE_STEPS:-}" ]; then  # the offline test: each step sleeps and writes
+    echo "sleep $SESSION_FAKE_STEPS; echo $step > $w/summary.txt; [ $step != colo-d ]"
+    return
+  fi
+  case $step in
+    handoff) echo "CUDA_VISIBLE_DEVICES=0 python3 experiments/bench_handoff.py --out $w" \
+                  "--baseline .gpu/trees/462527c" ;;
+    ab21) echo "for c in 211e4d9 462527c; do (cd .gpu/trees/\$c && PYTHONPATH=\$PWD" \
+               "timeout 200 python3 experiments/bench_transfer.py --out $w/\$c" \
+               "--model /tmp/kvbig --modes staged-contiguous --sizes 4,94,1024" \
+               "--staging-mb 0 --ttft-batch 0 --deadline-s 185 --prefill-gpu 0" \
+               "--decode-gpu 0; echo \"rc \$c=\$?\"); done" ;;
+    serve) echo "python3 experiments/bench_serve.py --out $w --model /tmp/tiny" \
+                "--modes vanilla,kvpd-staged,kvpd-push --push-concurrent --expect-wire ipc" \
+                "--prefill-gpu 0 --decode-gpu 0 --deadline-s 420 --port-base 22000" ;;
+    colo-a) echo "KVPD_GPUS='0 0' bash experiments/run_colocated_on_host.sh $w a" ;;
+    colo-b) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' bash experiments/run_colocated_on_host.sh $w b" ;;
+    colo-c) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' bash experiments/run_colocated_on_host.sh $w c" ;;
+    colo-d) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' COLO_ABORT_REPEATS=3" \
+                 "bash experiments/run_colocated_on_host.sh $w d" ;;
+    cross-a) echo "KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w a" ;;
+  esac
+}
+
+run_step() {  # run_step LANE STEP: one step inside the session's deadline
+  local lane=$1 step=$2 w=$S/work/$2 left need t0 rc
+  left=$(( $(cat $S/deadline) - $(date +%s) ))
+  need=$(( $(est "$step") * 60 ))
+  if [ "$left" -lt "$need" ]; then
+    echo "$step lane=$lane rc=- s=0 not run: ${left}s left, estimate ${need}s" >> $S/steps.txt
+    return
+  fi
+  mkdir -p "$w"
+  t0=$(date +%s)
+  echo "[$(date +%T)] $lane: $step: $(step_cmd "$step" "$w")"
+  (cd $S/repo && COLO_BUDGET_S=$(( left - 20 < 560 ? left - 20 : 560 )) \
+     timeout --signal=TERM --kill-after=20 "$left" bash -c "$(step_cmd "$step" "$w")") \
+     > "$w/step.log" 2>&1
+  rc=$?
+  echo "$step lane=$lane rc=$rc s=$(( $(date +%s) - t0 ))" >> $S/steps.txt
+  echo "[$(date +%T)] $lane: $step done rc=$rc in $(( $(date +%s) - t0 ))s"
+  touch "$w/.done"
+}
+
+lane() {  # lane NAME STEP...: steps one after the other; "a+b" runs a and b side by side
+  local name=$1; shift
+  for item in "$@"; do
+    if [[ "$item" == *+* ]]; then
+      for s in ${item//+/ }; do run_step "$name" "$s" & done
+      wait
+    else
+      run_step "$name" "$item"
+    fi
+  done
+  touch $S/lane-$name.done
+}
+
+plan() {  # the lanes, one per line: NAME STEP...
+  if [ "$SESSION_GPUS" -ge 2 ]; then
+    echo "T handoff ab21 serve colo-a"
+    echo "C colo-c+colo-d colo-b"
+  else
+    echo "T handoff ab21 serve colo-c colo-d colo-a colo-b"
+  fi
+}
+
+case $ACTION in
+start|dry)
+  COMMIT=${2:?usage: session.sh start COMMIT}
+  SESSION_GPUS=${SESSION_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || echo 1)}
+  LANE_C_GPU=$([ "$SESSION_GPUS" -ge 2 ] && echo 1 || echo 0)
+  if [ "$ACTION" = dry ]; then
+    plan | while read -r name steps; do
+      for s in ${steps//+/ }; do echo "$name $s: $(step_cmd "$s" "$S/work/$s")"; done
+    done
+    [ "$SESSION_GPUS" -ge 2 ] && echo "X cross-a: $(step_cmd cross-a "$S/work/cross-a")"
+    exit 0
+  fi
+  rm -rf $S && mkdir -p $S/work
+  mkdir -p $S/repo  # the checkout and the carried trees, not the wheel uploads or venvs
+  tar -C "$HERE" --exclude=./.gpu/up\* --exclude=./.venv\* --exclude=./.cache -cf - . \
+    | tar -C $S/repo -xf -
+  echo "commit $COMMIT (tree copied from $HERE at $(date '+%F %T'))" > $S/commit.txt
+  nvidia-smi --query-gpu=index,name,memory.used,memory.total,driver_version --format=csv,noheader \
+    >> $S/commit.txt 2>&1
+  echo $(( $(date +%s) + ${SESSION_SECONDS:-$(( ${SESSION_MINUTES:-20} * 60 ))} )) > $S/deadline
+  export SESSION_GPUS LANE_C_GPU PYTHONUNBUFFERED=1
+  plan > $S/plan.txt
+  export -f est step_cmd run_step lane
+  export S
+  setsid nohup bash -c '
+    lanes=()
+    while read -r name steps; do
+      lane "$name" $steps > $S/lane-$name.log 2>&1 &
+      lanes+=($!)
+    done < $S/plan.txt
+    wait "${lanes[@]}"
+    if [ "$SESSION_GPUS" -ge 2 ]; then lane X cross-a > $S/lane-X.log 2>&1; fi
+    touch $S/all.done
+  ' > $S/session.log 2>&1 < /dev/null &
+  echo "session started: $(cat $S/plan.txt | tr '\n' ';') deadline $(date -d @$(cat $S/deadline) +%T)"
+  ;;
+wait)
+  SECS=${2:?usage: session.sh wait SECONDS OUT}
+  OUT=${3:?usage: session.sh wait SECONDS OUT}
+  end=$(( $(date +%s) + SECS ))
+  while [ ! -f $S/all.done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  mkdir -p "$OUT"
+  { cat $S/commit.txt; echo; echo "== steps"; cat $S/steps.txt 2>/dev/null
+    [ -f $S/all.done ] && echo "(all lanes done)" || echo "(still running at $(date +%T))"
+    for f in $S/lane-*.log $S/session.log; do echo "== $f"; tail -30 "$f"; done
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader; } > "$OUT/session.txt" 2>&1
+  for lanef in $S/lane-*.log; do
+    l=$(basename "$lanef" .log); l=${l#lane-}
+    steps=$(awk -v l="$l" '$2 == "lane=" l {print $1}' $S/steps.txt 2>/dev/null | sort -u)
+    [ -n "$steps" ] || continue
+    tar czf "$OUT/$l.tar.gz" -C $S/work $steps 2>/dev/null
+  done
+  # the summaries, readable without unpacking (at most 8 files in all)
+  n=$(ls "$OUT" | wc -l)
+  for f in $(ls $S/work/*/*summary*.txt $S/work/*/*/summary.txt 2>/dev/null | head -$(( 8 - n ))); do
+    rel=${f#$S/work/}; cp "$f" "$OUT/$(echo "$rel" | tr '/' '-')"
+  done
+  cat "$OUT/session.txt"
+  ls -la "$OUT"
+  ;;
+*) echo "unknown action $ACTION" >&2; exit 2 ;;
+esac
