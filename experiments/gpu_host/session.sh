@@ -133,7 +133,7 @@ start|dry)
   fi
   rm -rf $S && mkdir -p $S/work
   mkdir -p $S/repo  # the checkout and the carried trees, not the wheel uploads or venvs
-  tar -C "$HERE" --exclude=./.gpu/up\* --exclude=./.venv\* --exclude=./.cache -cf - . \
+  tar -C "$HERE" --exclude=./.gpu/up\* --exclude=./.gpu/v\* --exclude=./.venv\* --exclude=./.cache -cf - . \
     | tar -C $S/repo -xf -
   echo "commit $COMMIT (tree copied from $HERE at $(date '+%F %T'))" > $S/commit.txt
   nvidia-smi --query-gpu=index,name,memory.used,memory.total,driver_version --format=csv,noheader \
