@@ -276,3 +276,32 @@ def test_a_claim_reply_carrying_non_finite_numbers_fails_only_that_load(staged_e
         bad = ClaimReply("r", "ready", params=forged_params, age_s=change.get("age_s", 0.5))
         reason = worker._claimed(_Read(order), bad, 0.0)
         assert reason and "p-1" in reason, change
+
+
+def test_a_claim_answered_with_a_tiny_negative_age_is_read_as_zero(staged_env):
+    """P's listener could read its clock just before P published the request, and
+    answered a few microseconds' negative age (on an H100, 19 of 64 push requests of
+    one run failed their load on it). D reads an age within CLAIM_AGE_SLACK_S below 0
+    as 0 (its READ deadline is then half the lease from now); one further below still
+    fails that load."""
+    from kvcached_pd.connector.decode import CLAIM_AGE_SLACK_S, _Read
+    from kvcached_pd.connector.records import ClaimTarget, RecvOrder
+    from kvcached_pd.connector.wire import WIRE_VERSION, ClaimReply, StagedParams
+
+    d = pd.make_engine("d", "kv_consumer", seed=44)
+    worker = d.worker._decode_worker
+    fmt = worker.region.fmt
+    params = StagedParams(
+        wire_version=WIRE_VERSION, engine_id="p-1", request_id="r", host="127.0.0.1",
+        port=5600, tp_size=1, offset=0, nbytes=fmt.extent_bytes(48), n_tok_slots=48,
+        num_tokens=len(PROMPT), block_size=16, lease_s=30.0,
+        format_digest=worker.region.digest, token="ab" * 16).to_params()
+    order = RecvOrder(params=None, block_ids=(0, 1, 2), first_token=0,
+                      num_tokens=len(PROMPT), deadline=0.0,
+                      claim=ClaimTarget("127.0.0.1", 6600, "p-1", "r"))
+    read = _Read(order)
+    assert worker._claimed(read, ClaimReply("r", "ready", params=params, age_s=-3e-5),
+                           100.0) is None
+    assert read.deadline == 100.0 + 15.0
+    too_far = ClaimReply("r", "ready", params=params, age_s=-2 * CLAIM_AGE_SLACK_S)
+    assert "invalid age" in worker._claimed(_Read(order), too_far, 100.0)

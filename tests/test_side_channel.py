@@ -52,6 +52,20 @@ def test_base_request_id_strips_only_vllms_random_suffix():
     assert base_request_id("x-1a2b3c4") == "x-1a2b3c4"  # 7 hex digits: not vLLM's suffix
 
 
+def test_a_claim_answered_before_its_publishing_time_has_age_zero():
+    """The listener reads the clock once for all its held claims; P's scheduler may
+    publish a request after that reading. The age answered is then 0, never negative
+    (D refused such answers: a push request's load failed)."""
+    board = ClaimBoard(ENGINE, keep_s=10.0)
+    try:
+        before = time.monotonic()
+        board.publish("r1", PARAMS)
+        reply = board.answer(claim("r1"), now=before)
+        assert reply.status == "ready" and reply.age_s == 0.0
+    finally:
+        board.close()
+
+
 def test_board_answers_pending_ready_and_gone_and_forgets_after_the_lease():
     board = ClaimBoard(ENGINE, keep_s=10.0)
     try:

@@ -116,7 +116,11 @@ class ClaimBoard:
                 return ClaimReply(claim.key, "gone", reason=(
                     f"request {claim.key!r} was claimed already"))
             entry.answers_left -= 1
-            return ClaimReply(claim.key, "ready", params=entry.params, age_s=now - entry.at)
+            # ``now`` may predate the publishing: the listener reads the clock once for
+            # all its held claims, and P's scheduler can publish in between (seen on an
+            # H100: D refused 19 of 64 push requests for an age of -0.x ms)
+            return ClaimReply(claim.key, "ready", params=entry.params,
+                              age_s=max(0.0, now - entry.at))
 
     def expire(self, now: float | None = None) -> None:
         """Forget what was published or released more than ``keep_s`` ago (P's scheduler

@@ -129,6 +129,10 @@ HANDSHAKE_RETRY_S = 5.0
 # with every worker busy a new target is answered "no" (vLLM's push) and asked again by
 # its next request, uncached.
 PROBE_WORKERS = 8
+# A claim reply's age (how long ago P published the request) read as 0 when it is this
+# little below 0: P's listener could read its clock just before P published (fixed on P;
+# D accepts such an answer from a P of the same wire version built before the fix).
+CLAIM_AGE_SLACK_S = 0.25
 # Peers (engine id, host, port) D keeps a verdict or a handshake for. Requests choose
 # them, so the maps are bounded: the oldest entry goes first.
 MAX_PEERS = 1024
@@ -679,11 +683,13 @@ class DecodeWorker:
                     f"{self.region.buffer.allocator.capacity_bytes >> 20} MiB decode staging")
         age_s = reply.age_s
         if isinstance(age_s, bool) or not isinstance(age_s, (int, float)) or \
-                not 0 <= age_s <= MAX_LEASE_S:
+                not -CLAIM_AGE_SLACK_S <= age_s <= MAX_LEASE_S:
             return f"prefill {target.engine_id} answered its claim with an invalid age"
         read.params = params
-        # P's lease began when P finished it, age_s ago: D never READs after half of it
-        read.deadline = now + params.lease_s / 2 - reply.age_s
+        # P's lease began when P finished it, age_s ago: D never READs after half of it.
+        # A P of wire version 3 before the board clamped its ages could answer a claim
+        # published just after it read its clock with a small negative age: that is 0.
+        read.deadline = now + params.lease_s / 2 - max(0.0, age_s)
         return None
 
     def _peer(self, params: StagedParams) -> Future:
