@@ -39,7 +39,7 @@
 # finished steps' trees), and each step's summary-*.txt. Safe to call more than once: each
 # call packs everything finished so far.
 set -uo pipefail
-S=/tmp/kvpd-session
+S=${SESSION_DIR:-/tmp/kvpd-session}
 ACTION=${1:?usage: session.sh start COMMIT | wait SECONDS OUT | dry COMMIT}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 

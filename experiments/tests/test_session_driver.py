@@ -1,0 +1,71 @@
+"""experiments/gpu_host/session.sh: the lanes run their steps in the background, in
+order, side by side where the plan says so; a step that does not fit before the deadline
+is recorded as not run; `wait` packs what finished. Steps are stand-ins
+(SESSION_FAKE_STEPS): the real ones need a GPU.
+
+run: python3 -m pytest experiments/tests/test_session_driver.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SESSION = os.path.join(os.path.dirname(HERE), "gpu_host", "session.sh")
+
+
+def run(tmp_path, *args, **env):
+    full = dict(os.environ, SESSION_DIR=str(tmp_path / "s"), **env)
+    return subprocess.run(["bash", SESSION, *args], env=full, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+
+
+def steps(tmp_path) -> dict[str, str]:
+    lines = (tmp_path / "s" / "steps.txt").read_text().splitlines()
+    return {line.split()[0]: line for line in lines}
+
+
+def test_two_gpus_run_both_lanes_then_the_cross_gpu_step(tmp_path):
+    r = run(tmp_path, "start", "abc123", SESSION_FAKE_STEPS="1", SESSION_GPUS="2",
+            SESSION_SECONDS="60")
+    assert r.returncode == 0 and "session started" in r.stdout, r.stderr
+    out = tmp_path / "out"
+    r = run(tmp_path, "wait", "60", str(out))
+    assert r.returncode == 0, r.stderr
+    done = steps(tmp_path)
+    assert set(done) == {"handoff", "ab21", "serve", "colo-a", "colo-c", "colo-d", "colo-b",
+                         "cross-a"}
+    assert "rc=1" in done["colo-d"] and "rc=0" in done["serve"]  # a failing step is recorded
+    assert "(all lanes done)" in (out / "session.txt").read_text()
+    with tarfile.open(out / "T.tar.gz") as t:
+        assert {"handoff/summary.txt", "serve/summary.txt"} <= set(t.getnames())
+    with tarfile.open(out / "X.tar.gz") as t:
+        assert "cross-a/summary.txt" in t.getnames()
+    assert len(os.listdir(out)) <= 8  # the host hands back at most 8 files
+    # the lanes' order: T's steps one after the other, C's first two side by side
+    t_log = (tmp_path / "s" / "lane-T.log").read_text()
+    assert t_log.index("handoff done") < t_log.index("ab21:") < t_log.index("serve:")
+    c_log = (tmp_path / "s" / "lane-C.log").read_text()
+    assert c_log.index("colo-d:") < c_log.index("colo-c done")
+    assert c_log.index("colo-c done") < c_log.index("colo-b:")
+
+
+def test_a_step_that_does_not_fit_before_the_deadline_is_not_run(tmp_path):
+    # the real estimates (minutes) against a 30-second session: nothing fits
+    r = run(tmp_path, "start", "abc123", SESSION_GPUS="1", SESSION_SECONDS="30")
+    assert r.returncode == 0, r.stderr
+    run(tmp_path, "wait", "30", str(tmp_path / "out"))
+    done = steps(tmp_path)
+    assert done and all("not run" in line for line in done.values())
+    assert "cross-a" not in done  # one GPU: no cross-GPU lane
+
+
+def test_dry_run_names_each_steps_command(tmp_path):
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2")
+    assert r.returncode == 0
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("T serve: python3 experiments/bench_serve.py") for line in lines)
+    assert any("KVPD_GPUS='0 1'" in line and line.startswith("X cross-a") for line in lines)
+    assert any("KVPD_GPUS='1 1'" in line and line.startswith("C colo-b") for line in lines)
