@@ -300,7 +300,8 @@ class LoadHarness:
     def gpu_used(self, run: ModeRun) -> float | None:
         """The memory in use on D's GPU (all processes; P shares it in colocated runs)."""
         used = gpu_used_mib()
-        return None if used is None else used.get(run.ports["decode"]["gpu"])
+        # D's own GPU: the first of those it sees ("1,0": D on GPU 1, P's GPU visible too)
+        return None if used is None else used.get(run.ports["decode"]["gpu"].split(",")[0])
 
     def memory_sampler(self, run: ModeRun) -> PeakSampler:
         def read():

@@ -34,7 +34,8 @@
 # 45-120 s when 5-7 start at once on one GPU; the vanilla and NIXL-wire pairs move KV at
 # ~0.4 GB/s there, so their kvbig runs dominate parts a and b).
 #
-# Environment: KVPD_GPUS="P D" (default "0 0": both on GPU 0), COLO_BUDGET_S (a part's
+# Environment: KVPD_GPUS="P D" (default "0 0": both on GPU 0; on two GPUs D sees "D,P"
+#   unless KVPD_D_SEES_P=0), COLO_BUDGET_S (a part's
 #   seconds, default 560), COLO_ABORT_REPEATS (part d, default 5), TINY_MODEL=/tmp/tiny,
 #   KVBIG_MODEL=/tmp/kvbig, KVCACHED_PD_FROM=checkout (this checkout first on PYTHONPATH)
 #   | installed, COLO_DRY_RUN=1 (print each harness command instead of running it: the
@@ -64,7 +65,13 @@ T0=$(date +%s)
 BUDGET=${COLO_BUDGET_S:-560}  # the part's seconds: the host kills a command at 600
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 read -r P_GPU D_GPU <<< "${KVPD_GPUS:-0 0}"
-GPU_ARGS=(--prefill-gpu "$P_GPU" --decode-gpu "$D_GPU")
+# P and D on two GPUs: D also sees P's GPU, second in its list (its own stays device 0),
+# so that the IPC wire can map P's staging through peer access; with only its own GPU
+# visible D falls back to NIXL ("the peer's GPU ... is not visible", 2 x H100, 2026-11-25).
+# Every mode gets it, vanilla included. KVPD_D_SEES_P=0: D sees its own GPU alone.
+D_VISIBLE=$D_GPU
+if [ "$P_GPU" != "$D_GPU" ] && [ "${KVPD_D_SEES_P:-1}" = 1 ]; then D_VISIBLE="$D_GPU,$P_GPU"; fi
+GPU_ARGS=(--prefill-gpu "$P_GPU" --decode-gpu "$D_VISIBLE")
 
 run() {  # run a harness, or with COLO_DRY_RUN=1 print it
   if [ "$DRY" = 1 ]; then printf 'DRY:'; printf ' %q' "$@"; echo; return 0; fi

@@ -366,9 +366,16 @@ def test_every_part_parses_with_the_harnesses_own_parsers(tmp_path, models):
 
 
 def test_other_gpus_and_unknown_parts(tmp_path, models):
+    # two GPUs: D sees its own first and P's second (the IPC wire needs P's GPU visible)
     (cmd,) = _dry_run(tmp_path, "a", KVPD_GPUS="0 1", **models)
     a = bench_transfer.parse_args(_after(cmd, "bench_transfer.py"))
+    assert (a.prefill_gpu, a.decode_gpu) == ("0", "1,0")
+    (cmd,) = _dry_run(tmp_path, "a", KVPD_GPUS="0 1", KVPD_D_SEES_P="0", **models)
+    a = bench_transfer.parse_args(_after(cmd, "bench_transfer.py"))
     assert (a.prefill_gpu, a.decode_gpu) == ("0", "1")
+    (cmd,) = _dry_run(tmp_path, "a", KVPD_GPUS="1 1", **models)
+    a = bench_transfer.parse_args(_after(cmd, "bench_transfer.py"))
+    assert (a.prefill_gpu, a.decode_gpu) == ("1", "1")
     res = subprocess.run(["bash", os.path.join(EXP, "run_colocated_on_host.sh"),
                           str(tmp_path), "z"], capture_output=True, text=True, timeout=30)
     assert res.returncode == 2 and "unknown part 'z'" in res.stderr
