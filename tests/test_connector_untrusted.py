@@ -249,17 +249,13 @@ CLAIM_CHANGES = [{"offset": float("inf")}, {"lease_s": float("nan")}, {"age_s": 
                  {"age_s": float("nan")}, {"age_s": -1.0}]
 
 
-def test_a_claim_reply_carrying_non_finite_numbers_fails_only_that_load(staged_env):
-    """P's listener answers a claim with the request's params and their age; a listener
-    the request pointed D at may answer anything. Non-finite or negative numbers
-    (offset, lease, age) fail that request's load with the reason; nothing raises in
-    D's worker."""
-    from kvcached_pd.connector.decode import _Read
+def claiming_decode(seed: int):
+    """A staged D worker, the params a claim for request "r" of P "p-1" answers with,
+    and the order D queued for it (push mode: D has no params until P answers)."""
     from kvcached_pd.connector.records import ClaimTarget, RecvOrder
-    from kvcached_pd.connector.wire import WIRE_VERSION, ClaimReply, StagedParams
+    from kvcached_pd.connector.wire import WIRE_VERSION, StagedParams
 
-    d = pd.make_engine("d", "kv_consumer", seed=43)
-    worker = d.worker._decode_worker
+    worker = pd.make_engine("d", "kv_consumer", seed=seed).worker._decode_worker
     fmt = worker.region.fmt
     params = StagedParams(
         wire_version=WIRE_VERSION, engine_id="p-1", request_id="r", host="127.0.0.1",
@@ -269,6 +265,18 @@ def test_a_claim_reply_carrying_non_finite_numbers_fails_only_that_load(staged_e
     order = RecvOrder(params=None, block_ids=(0, 1, 2), first_token=0,
                       num_tokens=len(PROMPT), deadline=0.0,
                       claim=ClaimTarget("127.0.0.1", 6600, "p-1", "r"))
+    return worker, params, order
+
+
+def test_a_claim_reply_carrying_non_finite_numbers_fails_only_that_load(staged_env):
+    """P's listener answers a claim with the request's params and their age; a listener
+    the request pointed D at may answer anything. Non-finite or negative numbers
+    (offset, lease, age) fail that request's load with the reason; nothing raises in
+    D's worker."""
+    from kvcached_pd.connector.decode import _Read
+    from kvcached_pd.connector.wire import ClaimReply
+
+    worker, params, order = claiming_decode(43)
     good = ClaimReply("r", "ready", params=params, age_s=0.5)
     assert worker._claimed(_Read(order), good, 0.0) is None  # the unchanged reply
     for change in CLAIM_CHANGES:
@@ -285,20 +293,9 @@ def test_a_claim_answered_with_a_tiny_negative_age_is_read_as_zero(staged_env):
     as 0 (its READ deadline is then half the lease from now); one further below still
     fails that load."""
     from kvcached_pd.connector.decode import CLAIM_AGE_SLACK_S, _Read
-    from kvcached_pd.connector.records import ClaimTarget, RecvOrder
-    from kvcached_pd.connector.wire import WIRE_VERSION, ClaimReply, StagedParams
+    from kvcached_pd.connector.wire import ClaimReply
 
-    d = pd.make_engine("d", "kv_consumer", seed=44)
-    worker = d.worker._decode_worker
-    fmt = worker.region.fmt
-    params = StagedParams(
-        wire_version=WIRE_VERSION, engine_id="p-1", request_id="r", host="127.0.0.1",
-        port=5600, tp_size=1, offset=0, nbytes=fmt.extent_bytes(48), n_tok_slots=48,
-        num_tokens=len(PROMPT), block_size=16, lease_s=30.0,
-        format_digest=worker.region.digest, token="ab" * 16).to_params()
-    order = RecvOrder(params=None, block_ids=(0, 1, 2), first_token=0,
-                      num_tokens=len(PROMPT), deadline=0.0,
-                      claim=ClaimTarget("127.0.0.1", 6600, "p-1", "r"))
+    worker, params, order = claiming_decode(44)
     read = _Read(order)
     assert worker._claimed(read, ClaimReply("r", "ready", params=params, age_s=-3e-5),
                            100.0) is None
