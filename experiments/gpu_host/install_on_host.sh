@@ -8,9 +8,10 @@
 #    to send again when a file is missing or damaged;
 # 2. reassembles the wheels that were cut into parts and checks them (SPLIT.sha256);
 # 3. installs every wheel with pip --no-index --no-deps into the host's python. For vLLM
-#    0.27+ the uploads carry torch 2.13, triton, NCCL and torchvision, which replace the
-#    image's torch 2.11.0+cu130 stack (its versions are printed first); for 0.26.0 the
-#    image's torch stays;
+#    0.27+ the uploads carry torch (2.13 up to vLLM 0.32, 2.14 for 0.33), triton, NCCL and
+#    torchvision, which replace the image's torch 2.11.0+cu130 stack (its versions are
+#    printed first); for 0.26.0 the image's torch stays. Then it reports, without
+#    stopping, where a package the image keeps is older than a carried one requires;
 # 4. checks the GPU stack: a bf16 matmul, a Triton kernel, a cuDNN convolution (a failure
 #    there is only reported: the experiments use none), then `import vllm`;
 # 5. builds kvcached 0.1.6 from source against the installed torch (about 20 s);
@@ -91,6 +92,14 @@ for d in ("torch", "triton", "torchvision", "torchaudio", "nvidia-nccl-cu13", "n
 PYEOF
 fi
 "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --no-compile ./*.whl
+# What the image keeps below what a carried package declares (e.g. vLLM 0.33's floors on
+# requests, certifi, aiohttp, pillow, whose versions on the image were never read): only
+# reported, as --no-deps installs without looking; numba and numpy<2.4 (mistral-common) are
+# known and served vLLM 0.30 (see the requirements list).
+carried=$(ls ./*.whl | sed 's#^\./##; s/-.*//' | tr 'A-Z_.' 'a-z--' | sort -u)
+"$PY" -m pip check 2>/dev/null | grep ' has requirement ' \
+  | awk 'NR == FNR {c[$1] = 1; next} {n = tolower($1); gsub(/[_.]/, "-", n)} n in c' \
+      <(echo "$carried") - | sed 's/^/note: /' || true
 
 # 4. The GPU stack works before anything is built on it. From a file: Triton reads a
 #    kernel's source, which a script on stdin does not have.

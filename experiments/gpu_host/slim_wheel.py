@@ -8,7 +8,9 @@ verifies the wheel:
   other CPython versions, and the Rust frontend binary ``vllm-rs`` (run only with
   VLLM_USE_RUST_FRONTEND=1 or VLLM_USE_RUST_BENCH=1).
 - triton: static archives (only linked, never loaded), ``ptxas-blackwell`` (Triton calls it
-  for sm_100 and newer only: backends/nvidia/compiler.py get_ptxas) and two test libraries.
+  for sm_100 and newer only: backends/nvidia/compiler.py get_ptxas), the CUPTI copy in
+  ``lib/cupti-blackwell`` (Triton 3.8+; its profiler points CUPTI there for sm_100 and newer
+  only: profiler/profile.py) and two test libraries.
 - nixl_cu13 / nixl_cu12: the NIXL-EP extensions built for other torch releases than the
   host's (``--torch``): nixl_ep imports only ``nixl_ep_cpp_torch<major><minor>`` of the
   running torch, so the others can never load there.
@@ -16,7 +18,7 @@ verifies the wheel:
 A wheel of any other distribution is refused. Dropping is by name, so a pattern that no
 longer matches anything is reported (``removed 0 files``) rather than silently ignored.
 
-usage: slim_wheel.py IN.whl OUT_DIR [--python cp312] [--torch 2.13]
+usage: slim_wheel.py IN.whl OUT_DIR [--python cp312] [--torch 2.14]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def drop_rules(dist: str, pyver: str, torch_mm: str) -> list[re.Pattern[str]]:
     if dist == "triton":
         return [re.compile(r"^triton/backends/nvidia/lib/cupti/[^/]+\.a$"),
                 re.compile(r"^triton/backends/nvidia/bin/ptxas-blackwell$"),
+                re.compile(r"^triton/backends/nvidia/lib/cupti-blackwell/"),
                 re.compile(r"^triton/instrumentation/libGPUInstrumentationTestLib\.so$"),
                 re.compile(r"^triton/plugins/libTritonPluginsTestLib\.so$")]
     if dist in ("nixl_cu13", "nixl_cu12"):
