@@ -100,6 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--client-timeout-s", type=float, default=180.0)
     ap.add_argument("--vllm-cmd", default=os.environ.get("KVPD_VLLM_CMD"))
     ap.add_argument("--extra-serve-args", default="--enable-prefix-caching")
+    ap.add_argument("--kvcached-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kvcached setting for its instances, e.g. "
+                         "KVCACHED_MAX_CACHED_TOKENS=200000 (kvcached keeps at most 16000 "
+                         "tokens of freed prefix blocks by default)")
     ap.add_argument("--health-timeout", type=float, default=300.0)
     ap.add_argument("--deadline-s", type=float, default=540.0)
     ap.add_argument("--port-base", type=int, default=None)
@@ -142,6 +146,8 @@ def load_harness_args(a: argparse.Namespace) -> argparse.Namespace:
     argv += ["--kv-cache-gib", str(a.kv_cache_gib)]
     if a.push_concurrent:
         argv.append("--push-concurrent")
+    for item in a.kvcached_env:
+        argv += ["--kvcached-env", item]
     if a.expect_wire:
         argv += ["--expect-wire", a.expect_wire]
     if a.vllm_cmd:
@@ -275,7 +281,8 @@ def render_summary(doc: dict) -> str:
              f"{doc['concurrency']} at a time, model {doc['model']}; random {doc['input_len']} "
              f"in / {doc['output_len']} out (round1, round2 = the same prompts); prefix: "
              f"{doc['num_prefixes']} prefixes x {doc['prefix_len']} + {doc['suffix_len']} "
-             f"tokens; P on GPU {doc['prefill_gpu']}, D on GPU {doc['decode_gpu']}", ""]
+             f"tokens; P on GPU {doc['prefill_gpu']}, D on GPU {doc['decode_gpu']}; kvcached "
+             f"settings: {doc.get('kvcached_env') or 'its defaults'}", ""]
     head = (f"{'mode':<12} {'workload':<8} {'done':>5} {'TTFT p50':>9} {'p90':>8} "
             f"{'e2e p50':>8} {'p90':>8} {'req/s':>7} {'MiB moved/req':>14} "
             f"{'D hit tokens':>12} {'x vanilla p50/p90':>18}")
@@ -325,6 +332,7 @@ def main(argv=None) -> int:
                                       "output_len", "seed", "prefix_len", "suffix_len",
                                       "num_prefixes", "prefill_gpu", "decode_gpu",
                                       "kv_cache_gib", "expect_wire", "push_concurrent")}
+    doc["kvcached_env"] = la.kvcached_env
     doc.update(started=time.strftime("%F %T"), modes=[], workloads=a.workloads,
                extra_serve_args=a.extra_serve_args)
     log(f"bench_serve: reference + {', '.join(a.modes)} on {a.model}, workloads "

@@ -172,6 +172,8 @@ class LoadHarness:
         extra: dict[str, str] = {}
         if a.batch_invariant:
             extra["VLLM_BATCH_INVARIANT"] = "1"
+        if cfg.env.get("ENABLE_KVCACHED") == "true":
+            extra.update(a.kvcached_env)  # a kvcached setting other than its default
         if role != "single":
             if a.abort_timeout_s:
                 extra["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] = str(int(a.abort_timeout_s))
@@ -1008,6 +1010,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="command that runs `vllm serve` (default: $KVPD_VLLM_CMD, else this "
                          "python -m vllm.entrypoints.cli.main serve)")
     ap.add_argument("--extra-serve-args", default="")
+    ap.add_argument("--kvcached-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="a KVCACHED_* setting for every kvcached instance, e.g. "
+                         "KVCACHED_MAX_CACHED_TOKENS=200000 (default: kvcached's defaults; "
+                         "the harness strips KVCACHED_* from its own environment)")
     ap.add_argument("--environment", action=argparse.BooleanOptionalAction, default=True,
                     help="write environment.json (versions, GPUs; importing vLLM takes seconds)")
     ap.add_argument("--port-base", type=int, default=HTTP_PORT_BASE + 400)
@@ -1055,6 +1061,7 @@ def validate(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         a.abort_timeout_s = 20.0 if a.kill or a.ucx_fault_lib else 0.0
     if a.repeats < 1:
         ap.error("--repeats must be >= 1")
+    a.kvcached_env = parse_kvcached_env(ap, a.kvcached_env)
     kv_per_token = kv_bytes_per_token(a.model)
     if kv_per_token is None and not a.vllm_cmd and not os.path.isdir(a.model):
         ap.error(f"--model {a.model}: no such model folder (make it with "
@@ -1074,6 +1081,22 @@ def validate(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         need = a.concurrency * a.max_prompt_tokens * (kv_per_token or 32 * 1024) * 1.5
         a.kv_cache_gib = max(2.0, float(-(-need // (1 << 30))))
     a.kv_bytes_per_token = kv_per_token
+
+
+def parse_kvcached_env(ap: argparse.ArgumentParser, items: list[str]) -> dict[str, str]:
+    """``--kvcached-env KEY=VALUE`` items as a dict; only kvcached's own settings, and
+    none that the flavours themselves set (which instance runs kvcached, its layout)."""
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("KVCACHED_"):
+            ap.error(f"--kvcached-env {item!r}: KVCACHED_NAME=VALUE expected")
+        if key in ("KVCACHED_AUTOPATCH", "KVCACHED_CONTIGUOUS_LAYOUT", "KVCACHED_IPC_NAME") \
+                or key.startswith("KVCACHED_PD"):
+            ap.error(f"--kvcached-env {key}: set by the harness itself (the modes and "
+                     "--kvcached-layout choose it)")
+        env[key] = value
+    return env
 
 
 def _raise_interrupt(signum, frame):

@@ -21,6 +21,8 @@
 #       serve    bench_serve.py: vllm bench serve, round 1, round 2, shared prefixes:
 #                reference, vanilla, kvcached-pd pull and push (IPC wire)
 #       colo-a   run_colocated_on_host.sh part a (handoff 4/94/1024 MiB + TTFT batch)
+#       serve-cap  serve again with KVCACHED_MAX_CACHED_TOKENS=200000: round 1 stays in
+#                kvcached's prefix cache (its default 16000 tokens held none of it, 2026-11-25)
 #     lane C, GPU 1 alone (P and D on GPU 1):
 #       colo-c and colo-d side by side: equivalence (prefix caching on D, negative control)
 #                and the client aborts x3
@@ -28,7 +30,7 @@
 #     lane X, once T and C are done, P on GPU 0 and D on GPU 1:
 #       cross-a  run_colocated_on_host.sh part a across the two GPUs
 #   with one GPU: one lane, in the order handoff, ab21, serve, colo-c, colo-d, colo-a,
-#     colo-b (every step alone on the GPU).
+#     colo-b, serve-cap (every step alone on the GPU).
 # (bench_serve gets ports of its own, 22000+: the load harness's defaults serve lane C.)
 # Every step starts only if its estimate fits before the session's deadline
 # (SESSION_MINUTES after `start`, default 20; or SESSION_SECONDS) and is cut off there; steps.txt records each
@@ -46,7 +48,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instances started at once)
   [ -n "${SESSION_FAKE_STEPS:-}" ] && { echo 0; return; }
   case $1 in
-    handoff) echo 3 ;; ab21) echo 4 ;; serve) echo 6 ;; colo-a|cross-a) echo 5 ;;
+    handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a|cross-a) echo 5 ;;
     colo-c) echo 7 ;; colo-d) echo 5 ;; colo-b) echo 9 ;; *) echo 5 ;;
   esac
 }
@@ -67,6 +69,10 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
                "--decode-gpu 0; echo \"rc \$c=\$?\"); done" ;;
     serve) echo "python3 experiments/bench_serve.py --out $w --model /tmp/tiny" \
                 "--modes vanilla,kvpd-staged,kvpd-push --push-concurrent --expect-wire ipc" \
+                "--prefill-gpu 0 --decode-gpu 0 --deadline-s 420 --port-base 22000" ;;
+    serve-cap) echo "python3 experiments/bench_serve.py --out $w --model /tmp/tiny" \
+                "--modes vanilla,kvpd-staged,kvpd-push --push-concurrent --expect-wire ipc" \
+                "--kvcached-env KVCACHED_MAX_CACHED_TOKENS=200000" \
                 "--prefill-gpu 0 --decode-gpu 0 --deadline-s 420 --port-base 22000" ;;
     colo-a) echo "KVPD_GPUS='0 0' bash experiments/run_colocated_on_host.sh $w a" ;;
     colo-b) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' bash experiments/run_colocated_on_host.sh $w b" ;;
@@ -112,10 +118,10 @@ lane() {  # lane NAME STEP...: steps one after the other; "a+b" runs a and b sid
 
 plan() {  # the lanes, one per line: NAME STEP...
   if [ "$SESSION_GPUS" -ge 2 ]; then
-    echo "T handoff ab21 serve colo-a"
+    echo "T handoff ab21 serve colo-a serve-cap"
     echo "C colo-c+colo-d colo-b"
   else
-    echo "T handoff ab21 serve colo-c colo-d colo-a colo-b"
+    echo "T handoff ab21 serve colo-c colo-d colo-a colo-b serve-cap"
   fi
 }
 

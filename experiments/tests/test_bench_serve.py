@@ -81,3 +81,13 @@ def test_the_verdict_fails_a_mode_with_failed_requests():
     assert verdict == "FAIL" and "kvpd-push/round2" in problems[0]
     doc["modes"][0]["workloads"] = [ok]
     assert bench_serve.verdict(doc) == ("PASS", [])
+
+
+def test_a_kvcached_setting_is_handed_to_the_load_harness(tmp_path):
+    a = bench_serve.parse_args(["--out", str(tmp_path), "--model", str(tmp_path),
+                                "--kvcached-env", "KVCACHED_MAX_CACHED_TOKENS=200000"])
+    la = bench_serve.load_harness_args(a)
+    assert la.kvcached_env == {"KVCACHED_MAX_CACHED_TOKENS": "200000"}
+    assert bench_serve.load_harness_args(
+        bench_serve.parse_args(["--out", str(tmp_path), "--model", str(tmp_path)])
+    ).kvcached_env == {}

@@ -86,6 +86,32 @@ def test_bad_options_stop_before_any_server_starts(tmp_path, capsys):
     assert (a.abort_every, a.abort_prefill_ms, a.abort_decode_ms) == (9, 50.0, 10.0)
 
 
+def test_a_kvcached_setting_reaches_kvcached_instances_only(tmp_path, monkeypatch, capsys):
+    """--kvcached-env gives every kvcached instance a setting other than kvcached's
+    default (the harness strips KVCACHED_* from its own environment), and no vanilla
+    one; the settings the modes themselves choose are refused."""
+    a = pd_load.parse_args(["--out", str(tmp_path), "--model", str(tmp_path), "--modes",
+                            "vanilla,kvpd-staged", "--no-environment",
+                            "--kvcached-env", "KVCACHED_MAX_CACHED_TOKENS=200000"])
+    monkeypatch.setattr(pd_load.ManagedProcess, "start", lambda self, env_diff=None: None)
+    h = pd_load.LoadHarness(a)
+    modes = {m.name: m for m in pd_modes.load_modes(a.modes)}
+    seen = {}
+    for name in ("vanilla", "kvpd-staged"):
+        run = pd_load.ModeRun(modes[name])
+        for role in ("prefill", "decode"):
+            seen[name, role] = h._instance(run, role, "0").env.get("KVCACHED_MAX_CACHED_TOKENS")
+    assert seen == {("vanilla", "prefill"): None, ("vanilla", "decode"): None,
+                    ("kvpd-staged", "prefill"): "200000", ("kvpd-staged", "decode"): "200000"}
+    for bad, words in (("MAX_CACHED_TOKENS=1", "KVCACHED_NAME=VALUE"),
+                       ("KVCACHED_CONTIGUOUS_LAYOUT=false", "set by the harness"),
+                       ("KVCACHED_PD_WIRE=nixl", "set by the harness")):
+        with pytest.raises(SystemExit):
+            pd_load.parse_args(["--out", str(tmp_path), "--model", str(tmp_path),
+                                "--kvcached-env", bad])
+        assert words in capsys.readouterr().err
+
+
 def test_load_prompts_are_mixed_and_deterministic():
     prompts = pd_common.load_prompts(64)
     assert [p.num_tokens for p in prompts] == [p.num_tokens for p in pd_common.load_prompts(64)]

@@ -35,8 +35,8 @@ def test_two_gpus_run_both_lanes_then_the_cross_gpu_step(tmp_path):
     r = run(tmp_path, "wait", "60", str(out))
     assert r.returncode == 0, r.stderr
     done = steps(tmp_path)
-    assert set(done) == {"handoff", "ab21", "serve", "colo-a", "colo-c", "colo-d", "colo-b",
-                         "cross-a"}
+    assert set(done) == {"handoff", "ab21", "serve", "colo-a", "serve-cap", "colo-c",
+                         "colo-d", "colo-b", "cross-a"}
     assert "rc=1" in done["colo-d"] and "rc=0" in done["serve"]  # a failing step is recorded
     assert "(all lanes done)" in (out / "session.txt").read_text()
     with tarfile.open(out / "T.tar.gz") as t:
@@ -67,5 +67,7 @@ def test_dry_run_names_each_steps_command(tmp_path):
     assert r.returncode == 0
     lines = r.stdout.splitlines()
     assert any(line.startswith("T serve: python3 experiments/bench_serve.py") for line in lines)
+    assert any(line.startswith("T serve-cap: ") and "KVCACHED_MAX_CACHED_TOKENS=200000" in line
+               for line in lines)
     assert any("KVPD_GPUS='0 1'" in line and line.startswith("X cross-a") for line in lines)
     assert any("KVPD_GPUS='1 1'" in line and line.startswith("C colo-b") for line in lines)
