@@ -51,6 +51,7 @@ import time
 
 import pd_load
 from load_checks import NA, PASS, check_wire
+from pd_load import _f
 from pd_common import M, Deadline, log, metric_delta, scrape_metrics, write_json
 from pd_modes import LOAD_FLAVOURS
 from pd_servers import stop_all, wire_evidence
@@ -246,10 +247,6 @@ def run_workload(a, run, workload: str, out_dir: str, deadline: Deadline) -> dic
     return entry
 
 
-def _f(x, digits: int = 1) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
 def _bytes_per_request(entry: dict) -> str:
     c, n = entry["counters"], (entry.get("client") or {}).get("completed")
     moved = c["kvpd_moved_bytes"] if c["kvpd_moved_bytes"] is not None else c["nixl_bytes"]
@@ -318,15 +315,11 @@ def render_summary(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
     la = load_harness_args(a)
     h = pd_load.LoadHarness(la)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, pd_load._raise_interrupt)
     deadline = Deadline(a.deadline_s)
     doc = {k: getattr(a, k) for k in ("model", "num_prompts", "concurrency", "input_len",
                                       "output_len", "seed", "prefix_len", "suffix_len",

@@ -17,8 +17,9 @@ one, or KV; params naming a window that ends at the holder's own tag but starts
 elsewhere carry another size. D may read only the extent's tail (its prefix cache holds
 the first tokens; packed format 3 makes any token suffix and the tag one byte range):
 it checks the tag against the size and offset of the whole extent its params name all
-the same, and the tail starts at D's own cached tokens, inside that extent. D's DONE carries the token too, and P frees an extent and its blocks only
-on a DONE whose token is the request's (:class:`~kvcached_pd.connector.prefill.PrefillWorker`).
+the same, and the tail starts at D's own cached tokens, inside that extent. D's DONE
+carries the token too, and P frees an extent and its blocks only on a DONE whose token
+is the request's (:class:`~kvcached_pd.connector.prefill.PrefillWorker`).
 """
 
 from __future__ import annotations
