@@ -31,6 +31,17 @@
 #       cross-a  run_colocated_on_host.sh part a across the two GPUs
 #   with one GPU: one lane, in the order handoff, ab21, serve, colo-c, colo-d, colo-a,
 #     colo-b, serve-cap (every step alone on the GPU).
+#   colo-e (either plan: not by default) run_colocated_on_host.sh part e: kill D, then P,
+#     mid-load.
+# SESSION_PLAN replaces the plan: lanes separated by ';', each "NAME STEP..." (a lane named X
+# runs once the others are done), e.g. "T ab21 serve;C colo-b;X cross-a@033". A step named
+# STEP@TAG runs with the venv ${SESSION_VENV_ROOT:-/tmp}/vTAG first on PATH (another vLLM,
+# installed while the first steps run: PYTHON=/tmp/vTAG/bin/python3 install_on_host.sh),
+# once that venv holds a file .ready; a step whose venv is not ready before its estimate
+# stops fitting is recorded as not run. SESSION_AB21_TREES (default "211e4d9 462527c"):
+# the trees of ab21, .gpu/trees/NAME or HEAD (the session's own copy);
+# SESSION_AB21_REPEATS (default 4); SESSION_SERVE_MODES (default vanilla,kvpd-staged,kvpd-push);
+# SESSION_ABORT_REPEATS (colo-d, default 3).
 # (bench_serve gets ports of its own, 22000+: the load harness's defaults serve lane C.)
 # Every step starts only if its estimate fits before the session's deadline
 # (SESSION_MINUTES after `start`, default 20; or SESSION_SECONDS) and is cut off there; steps.txt records each
@@ -47,28 +58,32 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
 est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instances started at once)
   [ -n "${SESSION_FAKE_STEPS:-}" ] && { echo 0; return; }
-  case $1 in
+  case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a|cross-a) echo 5 ;;
-    colo-c) echo 7 ;; colo-d) echo 5 ;; colo-b) echo 9 ;; *) echo 5 ;;
+    colo-c) echo 7 ;; colo-d) echo 5 ;; colo-b) echo 9 ;; colo-e) echo 8 ;; *) echo 5 ;;
   esac
 }
 
 step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the session's repo
-  local step=$1 w=$2
+  local step=${1%@*} w=$2
   if [ -n "${SESSION_FAKE_STEPS:-}" ]; then  # the offline test: each step sleeps and writes
-    echo "sleep $SESSION_FAKE_STEPS; echo $step > $w/summary.txt; [ $step != colo-d ]"
+    echo "sleep $SESSION_FAKE_STEPS; echo $1 \$(command -v python3) > $w/summary.txt;" \
+         "[ $step != colo-d ]"
     return
   fi
   case $step in
     handoff) echo "CUDA_VISIBLE_DEVICES=0 python3 experiments/bench_handoff.py --out $w" \
                   "--baseline .gpu/trees/462527c" ;;
-    ab21) echo "for c in 211e4d9 462527c; do (cd .gpu/trees/\$c && PYTHONPATH=\$PWD" \
+    ab21) echo "for c in ${SESSION_AB21_TREES:-211e4d9 462527c}; do" \
+               "(if [ \$c = HEAD ]; then cd .; else cd .gpu/trees/\$c; fi && PYTHONPATH=\$PWD" \
                "timeout 200 python3 experiments/bench_transfer.py --out $w/\$c" \
                "--model /tmp/kvbig --modes staged-contiguous --sizes 4,94,1024" \
+               "--repeats ${SESSION_AB21_REPEATS:-4}" \
                "--staging-mb 0 --ttft-batch 0 --deadline-s 185 --prefill-gpu 0" \
                "--decode-gpu 0; echo \"rc \$c=\$?\"); done" ;;
     serve) echo "python3 experiments/bench_serve.py --out $w --model /tmp/tiny" \
-                "--modes vanilla,kvpd-staged,kvpd-push --push-concurrent --expect-wire ipc" \
+                "--modes ${SESSION_SERVE_MODES:-vanilla,kvpd-staged,kvpd-push}" \
+                "--push-concurrent --expect-wire ipc" \
                 "--prefill-gpu 0 --decode-gpu 0 --deadline-s 420 --port-base 22000" ;;
     serve-cap) echo "python3 experiments/bench_serve.py --out $w --model /tmp/tiny" \
                 "--modes vanilla,kvpd-staged,kvpd-push --push-concurrent --expect-wire ipc" \
@@ -77,24 +92,36 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
     colo-a) echo "KVPD_GPUS='0 0' bash experiments/run_colocated_on_host.sh $w a" ;;
     colo-b) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' bash experiments/run_colocated_on_host.sh $w b" ;;
     colo-c) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' bash experiments/run_colocated_on_host.sh $w c" ;;
-    colo-d) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' COLO_ABORT_REPEATS=3" \
+    colo-d) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU'" \
+                 "COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
                  "bash experiments/run_colocated_on_host.sh $w d" ;;
+    colo-e) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' bash experiments/run_colocated_on_host.sh $w e" ;;
     cross-a) echo "KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w a" ;;
   esac
 }
 
 run_step() {  # run_step LANE STEP: one step inside the session's deadline
-  local lane=$1 step=$2 w=$S/work/$2 left need t0 rc
-  left=$(( $(cat $S/deadline) - $(date +%s) ))
+  local lane=$1 step=$2 w=$S/work/$2 left need t0 rc venv="" path=$PATH
   need=$(( $(est "$step") * 60 ))
+  if [[ "$step" == *@* ]]; then  # another vLLM's venv: wait until its install is done
+    venv=${SESSION_VENV_ROOT:-/tmp}/v${step#*@}
+    while [ ! -f "$venv/.ready" ] \
+          && [ $(( $(cat $S/deadline) - $(date +%s) )) -ge "$need" ]; do sleep 5; done
+    if [ ! -f "$venv/.ready" ]; then
+      echo "$step lane=$lane rc=- s=0 not run: $venv/.ready never appeared" >> $S/steps.txt
+      return
+    fi
+    path=$venv/bin:$PATH
+  fi
+  left=$(( $(cat $S/deadline) - $(date +%s) ))
   if [ "$left" -lt "$need" ]; then
     echo "$step lane=$lane rc=- s=0 not run: ${left}s left, estimate ${need}s" >> $S/steps.txt
     return
   fi
   mkdir -p "$w"
   t0=$(date +%s)
-  echo "[$(date +%T)] $lane: $step: $(step_cmd "$step" "$w")"
-  (cd $S/repo && COLO_BUDGET_S=$(( left - 20 < 560 ? left - 20 : 560 )) \
+  echo "[$(date +%T)] $lane: $step${venv:+ (PATH from $venv)}: $(step_cmd "$step" "$w")"
+  (cd $S/repo && PATH=$path COLO_BUDGET_S=$(( left - 20 < 560 ? left - 20 : 560 )) \
      timeout --signal=TERM --kill-after=20 "$left" bash -c "$(step_cmd "$step" "$w")") \
      > "$w/step.log" 2>&1
   rc=$?
@@ -116,10 +143,13 @@ lane() {  # lane NAME STEP...: steps one after the other; "a+b" runs a and b sid
   touch $S/lane-$name.done
 }
 
-plan() {  # the lanes, one per line: NAME STEP...
-  if [ "$SESSION_GPUS" -ge 2 ]; then
+plan() {  # the lanes, one per line: NAME STEP... (lane X: after the others)
+  if [ -n "${SESSION_PLAN:-}" ]; then
+    echo "$SESSION_PLAN" | tr ';' '\n' | sed 's/^ *//; /^$/d'
+  elif [ "$SESSION_GPUS" -ge 2 ]; then
     echo "T handoff ab21 serve colo-a serve-cap"
     echo "C colo-c+colo-d colo-b"
+    echo "X cross-a"
   else
     echo "T handoff ab21 serve colo-c colo-d colo-a colo-b serve-cap"
   fi
@@ -134,7 +164,6 @@ start|dry)
     plan | while read -r name steps; do
       for s in ${steps//+/ }; do echo "$name $s: $(step_cmd "$s" "$S/work/$s")"; done
     done
-    [ "$SESSION_GPUS" -ge 2 ] && echo "X cross-a: $(step_cmd cross-a "$S/work/cross-a")"
     exit 0
   fi
   rm -rf $S && mkdir -p $S/work
@@ -148,15 +177,18 @@ start|dry)
   export SESSION_GPUS LANE_C_GPU PYTHONUNBUFFERED=1
   plan > $S/plan.txt
   export -f est step_cmd run_step lane
-  export S
+  export S SESSION_VENV_ROOT SESSION_AB21_TREES SESSION_AB21_REPEATS SESSION_SERVE_MODES \
+    SESSION_ABORT_REPEATS
   setsid nohup bash -c '
     lanes=()
     while read -r name steps; do
+      [ "$name" = X ] && continue
       lane "$name" $steps > $S/lane-$name.log 2>&1 &
       lanes+=($!)
     done < $S/plan.txt
     wait "${lanes[@]}"
-    if [ "$SESSION_GPUS" -ge 2 ]; then lane X cross-a > $S/lane-X.log 2>&1; fi
+    x=$(awk '\''$1 == "X" {$1 = ""; print}'\'' $S/plan.txt)
+    if [ -n "$x" ]; then lane X $x > $S/lane-X.log 2>&1; fi
     touch $S/all.done
   ' > $S/session.log 2>&1 < /dev/null &
   echo "session started: $(cat $S/plan.txt | tr '\n' ';') deadline $(date -d @$(cat $S/deadline) +%T)"

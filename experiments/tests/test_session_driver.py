@@ -71,3 +71,40 @@ def test_dry_run_names_each_steps_command(tmp_path):
                for line in lines)
     assert any("KVPD_GPUS='0 1'" in line and line.startswith("X cross-a") for line in lines)
     assert any("KVPD_GPUS='1 1'" in line and line.startswith("C colo-b") for line in lines)
+
+
+def test_a_plan_of_lanes_runs_steps_in_another_venv_once_it_is_ready(tmp_path):
+    # SESSION_PLAN: lane X after the others; STEP@TAG waits for /ROOT/vTAG/.ready and runs
+    # with that venv's bin first on PATH (a second vLLM installed while the first steps run)
+    root = tmp_path / "venvs"
+    (root / "v033" / "bin").mkdir(parents=True)
+    (root / "v033" / "bin" / "python3").symlink_to("/bin/true")
+    (root / "v099" / "bin").mkdir(parents=True)  # never made ready
+    r = run(tmp_path, "start", "abc123", SESSION_FAKE_STEPS="1", SESSION_GPUS="2",
+            SESSION_SECONDS="40", SESSION_VENV_ROOT=str(root),
+            SESSION_PLAN="T ab21 colo-a@033; C colo-c@033+colo-d@033 ;X cross-a@099")
+    assert r.returncode == 0, r.stderr
+    subprocess.run(["sleep", "3"])
+    assert not (tmp_path / "s" / "work" / "colo-a@033").exists()  # still waiting
+    (root / "v033" / ".ready").touch()
+    run(tmp_path, "wait", "60", str(tmp_path / "out"))
+    done = steps(tmp_path)
+    assert set(done) == {"ab21", "colo-a@033", "colo-c@033", "colo-d@033", "cross-a@099"}
+    assert "rc=0" in done["colo-a@033"] and "rc=0" in done["colo-c@033"]
+    assert "never appeared" in done["cross-a@099"]
+    ran_with = (tmp_path / "s" / "work" / "colo-a@033" / "summary.txt").read_text().split()
+    assert ran_with == ["colo-a@033", str(root / "v033" / "bin" / "python3")]
+    ab21 = (tmp_path / "s" / "work" / "ab21" / "summary.txt").read_text().split()
+    assert ab21[1] != ran_with[1]  # a step without a tag keeps the host's python3
+
+
+def test_dry_run_of_a_plan_names_the_ab21_trees_and_serve_modes(tmp_path):
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2", SESSION_PLAN="T ab21 serve colo-e",
+            SESSION_AB21_TREES="211e4d9 HEAD", SESSION_AB21_REPEATS="7",
+            SESSION_SERVE_MODES="vanilla,kvpd-push")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "for c in 211e4d9 HEAD;" in out and "--repeats 7" in out
+    assert "--modes vanilla,kvpd-push " in out
+    assert "run_colocated_on_host.sh /tmp" in out and out.rstrip().endswith(" e")
+    assert "cross-a" not in out  # the plan replaced the default one
