@@ -94,9 +94,13 @@ def _activate() -> ActivationState:
 
 
 def _log_summary(st: ActivationState) -> None:
-    from kvcached_pd import serving
+    from kvcached_pd import checks, serving
 
     decision = serving.decide(st.settings, st.vllm_version)
+    if st.settings.kvcached_enabled:  # kvcached refuses this vLLM itself, later: say it first
+        refusal = checks.kvcached_runner_problem(st.vllm_version, checks.kvcached_runner_window())
+        if refusal:
+            logger.warning("kvcached-pd: %s", refusal)
     logger.info(
         "kvcached-pd: active (vLLM %s, transport %s: %s; wire %s: %s); patches waiting for "
         "their imports: %s; skipped: %s",

@@ -7,8 +7,10 @@ KV wrongly, so startup stops instead.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import re
 import sys
 
 from kvcached_pd import config, serving
@@ -67,6 +69,45 @@ def nixl_version_problems(vllm_version: str, nixl_version: str | None = None) ->
                 f"prepares strided descriptor lists); NIXL {nixl_version} is installed. "
                 f"Run: pip install 'nixl>={record.min_nixl}'"]
     return []
+
+
+def kvcached_runner_window() -> tuple[str, str] | None:
+    """(kvcached's version, the vLLM releases its Model Runner V2 adapter covers, as
+    kvcached declares them), or None when the installed kvcached declares none.
+
+    kvcached 0.1.6 refuses, inside vLLM's EngineCore start, every vLLM from 0.29 on
+    outside ``VLLM_MRV2_RANGE`` (">=0.29.0,<0.31.0"): "kvcached has no runner adapter
+    for vLLM 0.33.0" (seen on 2 x H200, 2026-11-26). Read from kvcached itself, so a
+    kvcached that widens its window is followed without a change here."""
+    try:
+        patches = importlib.import_module("kvcached.integration.vllm.patches")
+    except Exception:  # noqa: BLE001 - not importable here: kvcached_problems says so
+        return None
+    window = getattr(patches, "VLLM_MRV2_RANGE", None)
+    if not isinstance(window, str):
+        return None
+    return installed_version("kvcached") or "?", window
+
+
+def kvcached_runner_problem(vllm_version: str | None,
+                            window: tuple[str, str] | None) -> str | None:
+    """Why the installed kvcached will refuse this vLLM at engine start, or None.
+
+    Only a vLLM at or above the window's upper bound is named (kvcached 0.1.6: vLLM
+    0.31+); below its lower bound kvcached serves vLLM through its first runner
+    (0.26-0.28). kvcached refuses by itself, before the model loads, so this is not one
+    of :func:`startup_problems` (kvcached-pd's own refusals): the guard logs it and the
+    doctor prints it, so that an operator reading either learns it before starting."""
+    if vllm_version is None or window is None:
+        return None
+    kvcached_version, spec = window
+    below = re.search(r"<\s*v?(\d+(?:\.\d+)*)", spec)
+    if below is None or parse_release(vllm_version) < parse_release(below.group(1)):
+        return None
+    return (f"kvcached {kvcached_version} has no runner adapter for vLLM {vllm_version}: "
+            f"its adapter covers vLLM {spec}, and kvcached refuses any other release "
+            f"when vLLM's engine starts. Install a vLLM below {below.group(1)} (or a "
+            f"kvcached release that supports vLLM {vllm_version}), or unset ENABLE_KVCACHED.")
 
 
 def kvcached_problems(decision: Serving, env=None) -> list[str]:

@@ -78,6 +78,12 @@ def doctor(args: argparse.Namespace) -> int:
         problems += checks.staging_memory_problems(
             settings, decision, _device_total_bytes(),
             "in all on this machine's first CUDA device")
+    kvcached_refusal = (checks.kvcached_runner_problem(vllm_version,
+                                                      checks.kvcached_runner_window())
+                        if settings.active and settings.kvcached_enabled else None)
+    if kvcached_refusal:
+        out.write("\nkvcached (its own check, when vLLM's engine starts; not counted below):\n"
+                  f"  WILL FAIL: {kvcached_refusal}\n")
     if problems:
         out.write("\nproblems (startup refuses a NIXL connector):\n")
         for p in problems:
