@@ -81,6 +81,10 @@ from pd_common import (M, Deadline, MetricSnapshot, Prompt, get, load_prompts, l
 from pd_modes import (KVCACHED_LAYOUTS, LOAD_DEFAULT_MODES, LOAD_FLAVOURS, WIRES, Mode,
                       expected_wire, kv_transfer_config, load_modes, staged_pair)
 from pd_proxy import PREFILL_KV_PARAMS
+
+# kvcached_pd.connector.decode.IDLE_UNMAP_S: how long D keeps an idle IPC peer's staging
+# mapped (a test keeps the two equal; this harness does not import kvcached-pd)
+DECODE_IDLE_UNMAP_S = 30.0
 from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,
                         PortAllocator, describe_environment, serve_settings_from_args,
                         indent, instance_env, kvcached_pd_evidence, neutral_env, serve_args,
@@ -305,6 +309,26 @@ class LoadHarness:
         # D's own GPU: the first of those it sees ("1,0": D on GPU 1, P's GPU visible too)
         return None if used is None else used.get(run.ports["decode"]["gpu"].split(",")[0])
 
+    def wait_gpu_returned(self, run: ModeRun, before: dict, gpu_before: float | None,
+                          tolerance_mib: float = 512) -> float | None:
+        """After P was killed: wait until the GPU's memory in use fell by what P held
+        before the load (the check_memory_returned rule), at most DECODE_IDLE_UNMAP_S + 15 s;
+        the seconds it took, or None when it did not (or cannot be read). A D on the
+        CUDA IPC wire keeps P's staging mapped, and so allocated, until no read has used
+        it for kvcached-pd's IDLE_UNMAP_S (30 s): 2 x H200, 2026-11-26, the check read the
+        GPU before that and found P's 2048 MiB staging still held."""
+        held = (before.get("prefill") or {}).get("device_mib")
+        if held is None or gpu_before is None:
+            return None
+        t0 = time.monotonic()
+        while True:
+            used = self.gpu_used(run)
+            if used is not None and gpu_before - used >= held - tolerance_mib:
+                return round(time.monotonic() - t0, 1)
+            if time.monotonic() - t0 > DECODE_IDLE_UNMAP_S + 15:
+                return None
+            time.sleep(1.0)
+
     def memory_sampler(self, run: ModeRun) -> PeakSampler:
         def read():
             return {**self.memory(run, staging=False),
@@ -377,6 +401,8 @@ class LoadHarness:
         if self.aborts is not None and final:
             window = max(window, a.kv_lease_s + 15)
         readings = self.settle_staging(run, window)
+        if kill and a.kill == "prefill":
+            rep["gpu_returned_s"] = self.wait_gpu_returned(run, memory["before"], gpu["before"])
         memory["idle"] = self.memory(run)
         gpu["idle"] = self.gpu_used(run)
         after = self.scrape(run)
@@ -421,6 +447,9 @@ class LoadHarness:
             checks["memory"] = check_memory_returned(
                 a.kill, memory["before"], memory["idle"], gpu["before"], gpu["idle"],
                 survivor_kvcached=run.ports[survivor]["env"].get("ENABLE_KVCACHED") == "true")
+            if rep.get("gpu_returned_s") is not None:
+                checks["memory"]["detail"] += (f"; returned {rep['gpu_returned_s']:g} s after "
+                                               "the load settled")
         rep["checks"] = checks
         rep["counters"] = counters
         stats = self.proxy_stats(run)

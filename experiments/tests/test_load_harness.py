@@ -362,3 +362,35 @@ def test_kvcached_pd_where_the_mode_has_none_fails_it(tmp_path):
     van = summary["modes"]["vanilla"]
     assert van["checks"]["activation"] == ["fail"]
     assert any("although KVCACHED_PD=0" in r for r in van["reasons"])
+
+
+def test_after_a_prefill_kill_the_harness_waits_for_ds_idle_unmap_before_reading_memory(
+        monkeypatch):
+    # 2 x H200, 2026-11-26: the kill-P memory check read the GPU before D dropped its IPC
+    # mapping of P's staging (kvcached-pd unmaps an idle peer after IDLE_UNMAP_S) and
+    # reported 2048 MiB "not all returned". The harness now polls until the drop shows.
+    import re
+
+    import pd_load
+
+    src = open(os.path.join(os.path.dirname(EXP), "kvcached_pd", "connector", "decode.py")).read()
+    product = float(re.search(r"^IDLE_UNMAP_S = ([0-9.]+)", src, re.M).group(1))
+    assert pd_load.DECODE_IDLE_UNMAP_S == product
+
+    class Stub:  # the GPU in use: P's 3838 MiB go back three readings after the load
+        def __init__(self, readings):
+            self.readings = list(readings)
+
+        def gpu_used(self, run):
+            return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+    monkeypatch.setattr(pd_load.time, "sleep", lambda s: None)
+    before = {"prefill": {"device_mib": 3838.0}}
+    wait = pd_load.LoadHarness.wait_gpu_returned
+    returned = Stub([20142.0, 20142.0, 20142.0, 16300.0])
+    assert wait(returned, None, before, 20142.0) is not None
+    assert returned.readings == [16300.0]  # it polled until the drop, not once
+    monkeypatch.setattr(pd_load, "DECODE_IDLE_UNMAP_S", -15.0)  # no time to wait
+    held = Stub([18430.0])  # 1712 MiB fell: P's staging still mapped by D
+    assert wait(held, None, before, 20142.0) is None
+    assert wait(held, None, {}, 20142.0) is None  # nothing to compare with
