@@ -94,6 +94,17 @@ class ToVllmLogger(logging.Handler):
             if record.levelno >= _vllm().getEffectiveLevel():
                 _vllm().handle(record)
 
+    def release_to(self, logger: logging.Logger) -> None:
+        """Hand the held records to ``logger``'s own handlers, at its level: vLLM
+        configured logging from a file (``VLLM_LOGGING_CONFIG_PATH``) that names
+        ``kvcached_pd`` and so replaced this handler, which then held the start-up and
+        "applied" lines for nobody (2 x H200, vLLM 0.33.0, 2026-11-26: not one
+        kvcached-pd line in the log of an instance kvcached stopped at engine start)."""
+        while self.held:
+            record = _as_made_now(self.held.popleft())
+            if record.levelno >= logger.getEffectiveLevel():
+                logger.handle(record)
+
 
 def _as_made_now(record: logging.LogRecord) -> logging.LogRecord:
     """A held record with the fields the record factory installed since adds (vLLM
@@ -109,10 +120,14 @@ def _as_made_now(record: logging.LogRecord) -> logging.LogRecord:
 def _release_after(configure):
     @functools.wraps(configure)
     def configured(*args, **kwargs):
+        ours = logging.getLogger(LOGGER_NAME)
+        holders = [h for h in ours.handlers if isinstance(h, ToVllmLogger)]
         result = configure(*args, **kwargs)
-        for handler in logging.getLogger(LOGGER_NAME).handlers:
-            if isinstance(handler, ToVllmLogger):
+        for handler in holders:
+            if handler in ours.handlers:
                 handler.release()
+            else:  # a logging config that names kvcached_pd replaced it
+                handler.release_to(ours)
         return result
 
     configured.__kvcached_pd_release__ = True

@@ -65,3 +65,34 @@ def test_checkout_sitecustomize_logs_once_vllm_configured_logging(tmp_path):
     lines = info_lines(proc.stdout)
     assert sum("kvcached-pd: active (vLLM" in line for line in lines) == 1, proc.stdout
     assert any("kvcached-pd: applied nixl_registration" in line for line in lines), proc.stdout
+
+
+@pytest.mark.skipif(not kvcached_cpu.available(), reason="kvcached source not fetched")
+def test_held_lines_reach_a_logging_config_file_that_names_kvcached_pd(tmp_path):
+    """An operator's (or the harness's) VLLM_LOGGING_CONFIG_PATH that configures
+    ``kvcached_pd`` itself: vLLM 0.31+ applies it with dictConfig, which replaced the
+    handler holding the lines logged before, and those lines (the start-up line, the
+    "applied" lines) were lost (2 x H200, vLLM 0.33.0, 2026-11-26). On 0.20-0.30 the file
+    is applied when vllm.logger is imported, before kvcached-pd logs anything."""
+    import json
+
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "FILE %(levelname)s %(name)s %(message)s"}},
+        "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "plain",
+                             "stream": "ext://sys.stdout"}},
+        "loggers": {"vllm": {"handlers": ["out"], "level": "INFO", "propagate": False},
+                    "kvcached_pd": {"handlers": ["out"], "level": "INFO", "propagate": False}},
+    }
+    path = tmp_path / "logging.json"
+    path.write_text(json.dumps(config))
+    env = vllm_default_logging(
+        PYTHONPATH=os.pathsep.join([subproc.REPO, kvcached_cpu.kvcached_src()]), **ON)
+    env["VLLM_LOGGING_CONFIG_PATH"] = str(path)
+    proc = subproc.run("import vllm\n" + SERVE_CONFIGURES_LOGGING + IMPORT_NIXL, env=env,
+                       cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    ours = [line for line in proc.stdout.splitlines()
+            if line.startswith("FILE INFO kvcached_pd") and "kvcached-pd:" in line]
+    assert sum("kvcached-pd: active (vLLM" in line for line in ours) == 1, proc.stdout
+    assert any("kvcached-pd: applied nixl_registration" in line for line in ours), proc.stdout
