@@ -39,7 +39,9 @@
 # installed while the first steps run: PYTHON=/tmp/vTAG/bin/python3 install_on_host.sh),
 # once that venv holds a file .ready; a step whose venv is not ready before its estimate
 # stops fitting is recorded as not run. SESSION_AB21_TREES (default "211e4d9 462527c"):
-# the trees of ab21, .gpu/trees/NAME or HEAD (the session's own copy);
+# the trees of ab21 in their order, .gpu/trees/NAME or HEAD (the session's own copy), a
+# tree named twice run twice (interleave them: "211e4d9 HEAD 211e4d9 HEAD"), each into
+# ab21/N-NAME;
 # SESSION_AB21_REPEATS (default 4); SESSION_SERVE_MODES (default vanilla,kvpd-staged,kvpd-push);
 # SESSION_ABORT_REPEATS (colo-d, default 3).
 # (bench_serve gets ports of its own, 22000+: the load harness's defaults serve lane C.)
@@ -74,9 +76,9 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
   case $step in
     handoff) echo "CUDA_VISIBLE_DEVICES=0 python3 experiments/bench_handoff.py --out $w" \
                   "--baseline .gpu/trees/462527c" ;;
-    ab21) echo "for c in ${SESSION_AB21_TREES:-211e4d9 462527c}; do" \
+    ab21) echo "n=0; for c in ${SESSION_AB21_TREES:-211e4d9 462527c}; do n=\$((n + 1));" \
                "(if [ \$c = HEAD ]; then cd .; else cd .gpu/trees/\$c; fi && PYTHONPATH=\$PWD" \
-               "timeout 200 python3 experiments/bench_transfer.py --out $w/\$c" \
+               "timeout 200 python3 experiments/bench_transfer.py --out $w/\$n-\$c" \
                "--model /tmp/kvbig --modes staged-contiguous --sizes 4,94,1024" \
                "--repeats ${SESSION_AB21_REPEATS:-4}" \
                "--staging-mb 0 --ttft-batch 0 --deadline-s 185 --prefill-gpu 0" \

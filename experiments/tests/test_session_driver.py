@@ -105,6 +105,7 @@ def test_dry_run_of_a_plan_names_the_ab21_trees_and_serve_modes(tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "for c in 211e4d9 HEAD;" in out and "--repeats 7" in out
+    assert "/work/ab21/$n-$c " in out  # a tree named twice: two dirs
     assert "--modes vanilla,kvpd-push " in out
     assert "run_colocated_on_host.sh /tmp" in out and out.rstrip().endswith(" e")
     assert "cross-a" not in out  # the plan replaced the default one
