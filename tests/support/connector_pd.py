@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -207,8 +208,37 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
                 getattr(sched.get_kv_connector(), setter)({key: handshake})
     finally:
         os.sched_setaffinity(0, affinity)
-    return Engine(name, sched, worker, caches, block_size, port,
-                  block_hasher=_block_hasher(config, block_size) if prefix_caching else None)
+    engine = Engine(name, sched, worker, caches, block_size, port,
+                    block_hasher=_block_hasher(config, block_size) if prefix_caching else None)
+    for executor in _handshake_executors(worker):
+        weakref.finalize(engine, _drain, executor)
+    return engine
+
+
+def _handshake_executors(worker) -> list:
+    """The handshake threads of vLLM's NIXL connector worker inside ``worker`` (kvcached-pd's
+    connector's inner one, or vLLM's own connector)."""
+    found = []
+    for connector in (worker, getattr(worker, "_inner", None)):
+        inner_worker = getattr(connector, "connector_worker", None)
+        executor = getattr(inner_worker, "_handshake_initiation_executor", None)
+        if executor is not None:
+            found.append(executor)
+    return found
+
+
+def _drain(executor, timeout_s: float = 60.0) -> None:
+    """Wait until the handshake ``executor`` (vLLM: one thread) has finished what it runs.
+
+    Runs when an engine is collected, before its worker is: vLLM's worker then releases
+    its NIXL handles and its agent goes with it, and a handshake still inside
+    ``add_remote_agent`` on that agent aborted the whole test process (SIGABRT in the
+    NIXL group, vLLM 0.28.0 and 0.20.2 on 2 cores, about 1 run in 5; the main thread
+    was in no Python frame: a destructor)."""
+    try:
+        executor.submit(int).result(timeout=timeout_s)  # FIFO behind the running one
+    except Exception:  # noqa: BLE001 - shut down already, or a handshake that failed
+        pass
 
 
 def _block_hasher(config, block_size: int):
