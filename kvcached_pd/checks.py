@@ -96,8 +96,8 @@ def kvcached_runner_problem(vllm_version: str | None,
     Only a vLLM at or above the window's upper bound is named (kvcached 0.1.6: vLLM
     0.31+); below its lower bound kvcached serves vLLM through its first runner
     (0.26-0.28). kvcached refuses by itself, before the model loads, so this is not one
-    of :func:`startup_problems` (kvcached-pd's own refusals): the guard logs it and the
-    doctor prints it, so that an operator reading either learns it before starting."""
+    of :func:`startup_problems` (kvcached-pd's own refusals): activation logs it (a
+    WARNING, in the API server before the engine starts) and the doctor prints it."""
     if vllm_version is None or window is None:
         return None
     kvcached_version, spec = window

@@ -46,11 +46,9 @@ def doctor(**env):
 
 
 def kvcached_on_path() -> dict[str, str]:
-    from tests.support.kvcached_cpu import available, kvcached_src
+    from tests.support.kvcached_cpu import on_path
 
-    if not available():
-        pytest.skip("kvcached source not fetched")
-    return {"PYTHONPATH": kvcached_src()}
+    return on_path()
 
 
 DIRECT = dict(GOOD, KVCACHED_PD_TRANSPORT="direct")

@@ -36,6 +36,16 @@ def available() -> bool:
     return os.path.isfile(os.path.join(kvcached_src(), "kvcached", "__init__.py"))
 
 
+def on_path() -> dict[str, str]:
+    """The environment that puts kvcached's source first on a child's ``PYTHONPATH``
+    (the test's skip when the test command did not fetch it)."""
+    import pytest
+
+    if not available():
+        pytest.skip("kvcached source not fetched")
+    return {"PYTHONPATH": kvcached_src()}
+
+
 def _host_create_kv_tensors(size, dtype_size, device, num_layers, num_kv_buffers=2,
                             group_id=0, unified_pool=False):
     # The C++ allocator follows the layout init_kvcached gave it; kvcached's Python
