@@ -278,3 +278,117 @@ def test_loads_done_in_one_step_share_one_tag_read_and_a_bad_one_fails_alone(
     assert invalid and not set(invalid) & set(good["blocks"])
     assert same_kv(p, d, p_blocks, good["blocks"], len(prompts["good"]))
     assert len(d.series("kvcached_pd_handoff_duration")) == 1, "a bad load was scattered"
+
+
+@pytest.fixture
+def sync_loads(monkeypatch):
+    """The requests D's worker loaded synchronously (in the step that scheduled them)."""
+    seen = []
+    real = decode_mod.DecodeWorker._post_now
+
+    def post_now(self, req_id, read):
+        seen.append(req_id)
+        return real(self, req_id, read)
+    monkeypatch.setattr(decode_mod.DecodeWorker, "_post_now", post_now)
+    return seen
+
+
+def test_an_ipc_peers_request_is_loaded_and_computed_in_the_step_that_schedules_it(
+        staged_env, ipc, sync_loads):
+    """Once D's worker has told its scheduler that P's staging is mapped, P's requests
+    load synchronously: unpacked in start_load_kv before the forward of the step that
+    scheduled them, which computes the last prompt token at once. An asynchronous load
+    takes that step, the one reporting it finished, and (vLLM's asynchronous scheduling)
+    one more before the request's first forward."""
+    p = pd.make_engine("p", "kv_producer", seed=23)
+    d = pd.make_engine("d", "kv_consumer", seed=24)
+    handoff(p, d, "r1", list(range(1, 45)))  # the first request maps P's staging
+    assert sync_loads == [], "D loaded synchronously before it knew P's wire"
+    assert d.connector._decode.ipc_ranks, "D's scheduler never learnt P's wire"
+    prompt = list(range(60, 100))
+    params = pd.prefilled(p, "r2", prompt)
+    p_blocks = list(params["remote_block_ids"][0])
+    d.sched.add_request(pd.decode_request("d-r2", prompt, params))
+    d.step()
+    assert "d-r2" in d.outputs, "the scheduling step did not yield the first token"
+    assert sync_loads == ["d-r2"]
+    assert same_kv(p, d, p_blocks, d.blocks_of("d-r2"), len(prompt))
+    assert saw_done(p, d, "r2"), "D's DONE never reached P"
+    assert settle(p, d)
+    assert reads_left(d) == 0
+
+
+def reads_left(d) -> int:
+    """What D's worker and scheduler still hold of any load."""
+    worker, sched = d.worker._decode_worker, d.connector._decode
+    return (len(worker.queued) + len(worker.inflight) + len(worker.releasing)
+            + len(sched.pending) + len(sched.parked))
+
+
+def test_a_synchronous_load_of_another_requests_extent_fails_alone_in_its_step(
+        staged_env, ipc, sync_loads, caplog):
+    """Forged params on the synchronous path: the tag of the extent read is another
+    request's, so the load fails in its own step (its blocks reported invalid, vLLM
+    fails the request), nothing of the victim's is freed, D lives, and the victim's
+    own request then loads its exact KV, synchronously too."""
+    from tests.test_connector_untrusted import decode, forged, prefill
+    from tests.test_connector_untrusted import same_kv as same
+
+    caplog.set_level(logging.ERROR, logger="kvcached_pd")
+    p = pd.make_engine("p", "kv_producer", seed=25)
+    d = pd.make_engine("d", "kv_consumer", seed=26)
+    handoff(p, d, "r1", list(range(1, 45)))
+    victim, victim_blocks = prefill(p, "victim", list(range(1, 41)))
+    mine, _ = prefill(p, "attacker", list(range(101, 141)))
+    theft = forged(mine, offset=victim[PARAMS_KEY]["offset"],
+                   request_id=victim[PARAMS_KEY]["request_id"])
+    blocks, failed = decode(p, d, "d-attacker", list(range(101, 141)), theft)
+    assert "d-attacker" in sync_loads
+    assert failed and blocks is None, "D unpacked another request's extent"
+    assert "another request's token" in caplog.text
+    pd.run([p, d], lambda: False, timeout_s=1)
+    assert "victim" in p.connector._prefill.staged, "P freed the victim's extent"
+    assert "victim" in p.sched.requests, "P freed the victim's blocks"
+    blocks, failed = decode(p, d, "d-victim", list(range(1, 41)), victim)
+    assert "d-victim" in sync_loads
+    assert not failed and same(p, victim_blocks, d, blocks)
+    # D holds nothing; P keeps the attacker's own extent until its lease: no DONE carried
+    # its token (its load failed before any unpack)
+    assert pd.run([p, d], lambda: reads_left(d) == 0 and "victim" not in p.sched.requests,
+                  timeout_s=10)
+    assert list(p.connector._prefill.staged) == ["attacker"]
+
+
+def test_an_unmapped_peer_is_mapped_again_and_its_loads_stay_correct(
+        staged_env, ipc, sync_loads):
+    """The idle unmap (a thread: an idle D does not step) tells the scheduler at D's
+    next step. A request scheduled in that very step still loads synchronously: its
+    step maps P's staging again (a handshake inside the step, the one stall of this
+    path, bounded by the handshake timeout) and loads its exact KV. Once the scheduler
+    has heard, the next request takes the asynchronous path (its handshake off the
+    engine step), and the one after it is synchronous again."""
+    p = pd.make_engine("p", "kv_producer", seed=27)
+    d = pd.make_engine("d", "kv_consumer", seed=28)
+    prompt = list(range(11, 50))
+    handoff(p, d, "r1", prompt)
+    worker = d.worker._decode_worker
+    worker.idle_unmap_s = 0.3
+
+    def unmapped():
+        deadline = time.monotonic() + 5
+        while worker._peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not worker._peers
+    assert unmapped(), "the idle peer stayed mapped"
+    params, p_blocks, d_blocks = handoff(p, d, "r2", prompt)
+    assert sync_loads == ["d-r2"] and len(ipc.opened) == 2
+    assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+    assert unmapped(), "the idle peer stayed mapped"
+    d.step()  # an idle step carries the worker's news
+    assert not d.connector._decode.ipc_ranks, "the scheduler never heard of the unmap"
+    params, p_blocks, d_blocks = handoff(p, d, "r3", prompt)
+    assert sync_loads == ["d-r2"], "D loaded synchronously from a peer it knew unmapped"
+    assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+    params, p_blocks, d_blocks = handoff(p, d, "r4", prompt)
+    assert sync_loads == ["d-r2", "d-r4"] and len(ipc.opened) == 3
+    assert same_kv(p, d, p_blocks, d_blocks, len(prompt))

@@ -28,7 +28,8 @@
 #                and the client aborts x3
 #       colo-b   the loads (timings: GPU 1 is alone, the host's CPUs are shared with lane T)
 #     lane X, once T and C are done, P on GPU 0 and D on GPU 1:
-#       cross-a  run_colocated_on_host.sh part a across the two GPUs
+#       cross-a  run_colocated_on_host.sh part a across the two GPUs (cross-b .. cross-e:
+#                parts b to e across them, in a SESSION_PLAN)
 #   with one GPU: one lane, in the order handoff, ab21, serve, colo-c, colo-d, colo-a,
 #     colo-b, serve-cap (every step alone on the GPU).
 #   colo-e (either plan: not by default) run_colocated_on_host.sh part e: kill D, then P,
@@ -62,7 +63,8 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   [ -n "${SESSION_FAKE_STEPS:-}" ] && { echo 0; return; }
   case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a|cross-a) echo 5 ;;
-    colo-c) echo 7 ;; colo-d) echo 5 ;; colo-b) echo 9 ;; colo-e) echo 8 ;; *) echo 5 ;;
+    colo-c|cross-c) echo 7 ;; colo-d|cross-d) echo 5 ;; colo-b|cross-b) echo 9 ;;
+    colo-e|cross-e) echo 8 ;; *) echo 5 ;;
   esac
 }
 
@@ -98,7 +100,9 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
                  "COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
                  "bash experiments/run_colocated_on_host.sh $w d" ;;
     colo-e) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' bash experiments/run_colocated_on_host.sh $w e" ;;
-    cross-a) echo "KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w a" ;;
+    cross-d) echo "KVPD_GPUS='0 1' COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
+                  "bash experiments/run_colocated_on_host.sh $w d" ;;
+    cross-[abce]) echo "KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w ${step#cross-}" ;;
   esac
 }
 

@@ -183,6 +183,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                                     connector_output.finished_sending)
         if self._decode is not None:
             staged = report if isinstance(report, WorkerReport) else WorkerReport()
+            self._decode.on_wires(staged.ipc_peers)
             for request, blocks in self._decode.on_finished_recving(
                     connector_output.finished_recving, staged.unread, staged.read):
                 # No block left to read: the inner connector only tells P we are done.
@@ -374,11 +375,13 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self):
         inner = self._inner.build_connector_worker_meta()
         done = self._prefill_worker.done() if self._prefill_worker is not None else set()
-        unread, read = (self._decode_worker.take_unread() if self._decode_worker is not None
-                        else (set(), set()))
-        if inner is None and not done and not unread and not read:
+        unread, read, wires = ((*self._decode_worker.take_unread(),
+                                self._decode_worker.take_ipc_news())
+                               if self._decode_worker is not None else (set(), set(), {}))
+        if inner is None and not done and not unread and not read and not wires:
             return None
-        return WorkerReport(inner=inner, done=done, unread=unread, read=read)
+        return WorkerReport(inner=inner, done=done, unread=unread, read=read,
+                            ipc_peers=wires)
 
     def get_handshake_metadata(self):
         inner = self._inner.get_handshake_metadata()

@@ -72,6 +72,9 @@ class RecvOrder:
     claim: ClaimTarget | None = None
     # a full prefix hit on D: no block to fill, nothing to READ; only P's DONE is sent
     notify_only: bool = False
+    # load it within this step, before its forward (an IPC peer: vLLM was told the load
+    # is synchronous and computes the last prompt token in the same step)
+    sync: bool = False
 
 
 @dataclass
@@ -92,6 +95,10 @@ class WorkerReport(KVConnectorWorkerMetadata):
     # unpack has run (DecodeScheduler.on_finished_recving)
     unread: set[str] = field(default_factory=set)
     read: set[str] = field(default_factory=set)
+    # D: (P engine, host, port, rank) -> True when that rank's wire became CUDA IPC,
+    # False when its mapping was dropped (DecodeScheduler.on_wires: loads from a peer
+    # every rank of which is on the IPC wire are synchronous)
+    ipc_peers: dict[tuple[str, str, int, int], bool] = field(default_factory=dict)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, WorkerReport)
@@ -101,4 +108,5 @@ class WorkerReport(KVConnectorWorkerMetadata):
         elif other.inner is not None:
             inner = inner.aggregate(other.inner)
         return WorkerReport(inner=inner, done=self.done | other.done,
-                            unread=self.unread | other.unread, read=self.read | other.read)
+                            unread=self.unread | other.unread, read=self.read | other.read,
+                            ipc_peers={**self.ipc_peers, **other.ipc_peers})
