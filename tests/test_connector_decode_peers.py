@@ -152,3 +152,40 @@ def test_what_requests_name_is_bounded(monkeypatch):
         assert scheduler.match(request, 0) is None  # no staged params: vLLM's own path
     assert len(scheduler.refused_peers) == 64
     assert "e129" in scheduler.refused_peers and "e0" not in scheduler.refused_peers
+
+
+def test_a_peer_loads_synchronously_only_once_every_rank_has_mapped_it():
+    """TP 2: each rank's worker reports its own wire (``WorkerReport.ipc_peers``, merged
+    over the ranks before D's scheduler sees it). One rank's mapping is not enough: the
+    other rank would have to map P inside the engine step. Once both ranks report,
+    the peer's requests load synchronously (vLLM told: tokens to load, not async, the
+    last prompt token computed in the step); one rank's unmap turns them back."""
+    from kvcached_pd.connector.records import WorkerReport
+    from kvcached_pd.connector.wire import PARAMS_KEY
+
+    scheduler = DecodeScheduler(digest=DIGEST, block_size=16, capacity_bytes=1 << 20,
+                                tp_size=2)
+    staged = StagedParams(wire_version=WIRE_VERSION, engine_id="p1",
+                          request_id="r-0a0b0c0d", host="127.0.0.1", port=5600, tp_size=2,
+                          offset=0, nbytes=FMT.extent_bytes(48), n_tok_slots=48,
+                          num_tokens=40, block_size=16, lease_s=30.0, format_digest=DIGEST,
+                          token="0" * 32)
+
+    def match(n: int):
+        request = SimpleNamespace(request_id=f"r{n}", prompt_token_ids=[1] * 40,
+                                  kv_transfer_params={"do_remote_prefill": True,
+                                                      PARAMS_KEY: staged.to_params()})
+        return scheduler.match(request, 0)
+
+    peer = ("p1", "127.0.0.1", 5600)
+    rank0 = WorkerReport(ipc_peers={(*peer, 0): True})
+    scheduler.on_wires(rank0.aggregate(WorkerReport()).ipc_peers)
+    assert match(1) == (40, True), "one rank of two mapped: still asynchronous"
+    scheduler.on_wires(WorkerReport().aggregate(
+        WorkerReport(ipc_peers={(*peer, 1): True})).ipc_peers)
+    assert match(2) == (39, False)
+    scheduler.on_wires(WorkerReport(ipc_peers={(*peer, 1): False}).ipc_peers)
+    assert match(3) == (40, True)
+    other = StagedParams(**{**staged.__dict__, "port": 5700})
+    staged = other
+    assert match(4) == (40, True), "another host:port for the same engine id is not that peer"
