@@ -23,7 +23,8 @@
 #       colo-a   run_colocated_on_host.sh part a (handoff 4/94/1024 MiB + TTFT batch)
 #       serve-cap  serve again with KVCACHED_MAX_CACHED_TOKENS=200000: round 1 stays in
 #                kvcached's prefix cache (its default 16000 tokens held none of it, 2026-11-25)
-#     lane C, GPU 1 alone (P and D on GPU 1):
+#     lane C, GPU 1 alone (P and D on GPU 1; a colo-* step in any other lane runs on GPU 0:
+#       on 2026-11-26 colo-e named in lane T still ran on GPU 1, beside lane C's colo-c):
 #       colo-c and colo-d side by side: equivalence (prefix caching on D, negative control)
 #                and the issue's client aborts x3
 #       colo-b   the loads (timings: GPU 1 is alone, the host's CPUs are shared with lane T)
@@ -68,7 +69,12 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   esac
 }
 
+lane_gpu() {  # lane_gpu LANE: the GPU a lane's colocated steps use (C: GPU 1 with two GPUs)
+  if [ "$1" = C ]; then echo "$LANE_C_GPU"; else echo 0; fi
+}
+
 step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the session's repo
+  # (LANE_GPU: the GPU of the lane that runs it, lane_gpu)
   local step=${1%@*} w=$2
   if [ -n "${SESSION_FAKE_STEPS:-}" ]; then  # the offline test: each step sleeps and writes
     echo "sleep $SESSION_FAKE_STEPS; echo $1 \$(command -v python3) > $w/summary.txt;" \
@@ -94,12 +100,12 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
                 "--kvcached-env KVCACHED_MAX_CACHED_TOKENS=200000" \
                 "--prefill-gpu 0 --decode-gpu 0 --deadline-s 420 --port-base 22000" ;;
     colo-a) echo "KVPD_GPUS='0 0' bash experiments/run_colocated_on_host.sh $w a" ;;
-    colo-b) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' bash experiments/run_colocated_on_host.sh $w b" ;;
-    colo-c) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' bash experiments/run_colocated_on_host.sh $w c" ;;
-    colo-d) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU'" \
+    colo-b) echo "KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w b" ;;
+    colo-c) echo "KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w c" ;;
+    colo-d) echo "KVPD_GPUS='$LANE_GPU $LANE_GPU'" \
                  "COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
                  "bash experiments/run_colocated_on_host.sh $w d" ;;
-    colo-e) echo "KVPD_GPUS='$LANE_C_GPU $LANE_C_GPU' bash experiments/run_colocated_on_host.sh $w e" ;;
+    colo-e) echo "KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w e" ;;
     cross-d) echo "KVPD_GPUS='0 1' COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
                   "bash experiments/run_colocated_on_host.sh $w d" ;;
     cross-[abce]) echo "KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w ${step#cross-}" ;;
@@ -108,6 +114,8 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
 
 run_step() {  # run_step LANE STEP: one step inside the session's deadline
   local lane=$1 step=$2 w=$S/work/$2 left need t0 rc venv="" path=$PATH
+  local LANE_GPU
+  LANE_GPU=$(lane_gpu "$lane")
   need=$(( $(est "$step") * 60 ))
   if [[ "$step" == *@* ]]; then  # another vLLM's venv: wait until its install is done
     venv=${SESSION_VENV_ROOT:-/tmp}/v${step#*@}
@@ -168,6 +176,7 @@ start|dry)
   LANE_C_GPU=$([ "$SESSION_GPUS" -ge 2 ] && echo 1 || echo 0)
   if [ "$ACTION" = dry ]; then
     plan | while read -r name steps; do
+      LANE_GPU=$(lane_gpu "$name")
       for s in ${steps//+/ }; do echo "$name $s: $(step_cmd "$s" "$S/work/$s")"; done
     done
     exit 0
@@ -182,7 +191,7 @@ start|dry)
   echo $(( $(date +%s) + ${SESSION_SECONDS:-$(( ${SESSION_MINUTES:-20} * 60 ))} )) > $S/deadline
   export SESSION_GPUS LANE_C_GPU PYTHONUNBUFFERED=1
   plan > $S/plan.txt
-  export -f est step_cmd run_step lane
+  export -f est lane_gpu step_cmd run_step lane
   export S SESSION_VENV_ROOT SESSION_AB21_TREES SESSION_AB21_REPEATS SESSION_SERVE_MODES \
     SESSION_ABORT_REPEATS
   setsid nohup bash -c '

@@ -109,3 +109,14 @@ def test_dry_run_of_a_plan_names_the_ab21_trees_and_serve_modes(tmp_path):
     assert "--modes vanilla,kvpd-push " in out
     assert "run_colocated_on_host.sh /tmp" in out and out.rstrip().endswith(" e")
     assert "cross-a" not in out  # the plan replaced the default one
+
+
+def test_a_colocated_step_runs_on_its_own_lanes_gpu(tmp_path):
+    """colo-b..colo-e take the GPU of the lane they are in: lane C's with two GPUs, GPU 0
+    in lane T (2026-11-26: colo-e named in lane T ran on lane C's GPU 1, beside colo-c)."""
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2",
+            SESSION_PLAN="T ab21 colo-e colo-d;C colo-b colo-c+colo-e")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(":")[0]: line for line in r.stdout.splitlines()}
+    assert "KVPD_GPUS='0 0'" in lines["T colo-e"] and "KVPD_GPUS='0 0'" in lines["T colo-d"]
+    assert "KVPD_GPUS='1 1'" in lines["C colo-e"] and "KVPD_GPUS='1 1'" in lines["C colo-b"]
