@@ -62,9 +62,16 @@ class HostClock:
 
     def __init__(self) -> None:
         self.spent: dict[str, float] = {}
+        self._restore: list[tuple[object, str, object]] = []
+
+    def restore(self) -> None:
+        for module, name, real in reversed(self._restore):
+            setattr(module, name, real)
+        self._restore = []
 
     def wrap(self, module, name: str):
         real = getattr(module, name)
+        self._restore.append((module, name, real))
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -102,7 +109,7 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
     return {key: round(statistics.median(r[key] for r in rows), 4) for key in rows[0]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true")
@@ -110,7 +117,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=15)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     model = SMALL if args.small else KVBIG
     sizes = [1 / 4] if args.small else [float(s) for s in args.sizes_mib.split(",")]
@@ -132,6 +139,18 @@ def main() -> None:
     clock = HostClock()
     clock.wrap(pack_triton, "copy_blocks")
     clock.wrap(pack_mod, "_on_device")
+    try:
+        result = run(args, cuda, model, sizes, fmt, block_bytes, num_blocks, paths, kernel,
+                     clock)
+    finally:
+        clock.restore()
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return result
+
+
+def run(args, cuda, model, sizes, fmt, block_bytes, num_blocks, paths, kernel,
+        clock: HostClock) -> dict:
     tag_stream = torch.cuda.Stream() if cuda else None
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "model": model.name, "kernel": kernel,
@@ -185,8 +204,7 @@ def main() -> None:
                 entry[f"{name}_{mode}"] = medians(rows)
         result["sizes"][f"{mib:g}"] = entry
         print(f"{mib:g} MiB: " + json.dumps(entry), flush=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    return result
 
 
 if __name__ == "__main__":
