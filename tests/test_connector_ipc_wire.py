@@ -392,3 +392,32 @@ def test_an_unmapped_peer_is_mapped_again_and_its_loads_stay_correct(
     params, p_blocks, d_blocks = handoff(p, d, "r4", prompt)
     assert sync_loads == ["d-r2", "d-r4"] and len(ipc.opened) == 3
     assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+
+
+def test_the_unmap_says_how_much_of_the_gpus_memory_came_back(
+        staged_env, ipc, monkeypatch, caplog):
+    """The unmap's log line carries the GPU's free memory before and after the drop
+    (read only when a mapping is about to go), so a run that kills P tells a dropped
+    mapping whose memory stayed held apart from one never dropped."""
+    caplog.set_level(logging.INFO, logger="kvcached_pd")
+    reads = []
+    free = iter([10 << 30, 12 << 30])
+
+    def free_bytes(tensor):
+        reads.append(tensor)
+        return next(free)
+    monkeypatch.setattr(decode_mod, "_free_bytes", free_bytes)
+    p = pd.make_engine("p", "kv_producer", seed=29)
+    d = pd.make_engine("d", "kv_consumer", seed=30)
+    handoff(p, d, "r1", list(range(11, 50)))
+    worker = d.worker._decode_worker
+    worker._unmap_idle_peers()
+    assert reads == [], "the GPU's memory was read with nothing to unmap"
+    worker.idle_unmap_s = 0.3
+    deadline = time.monotonic() + 5
+    while worker._peers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not worker._peers, "the idle peer stayed mapped"
+    assert len(reads) == 2
+    assert "staging after 0 s without requests (its next request maps it again); the " \
+           "GPU's free memory rose by 2048 MiB" in caplog.text

@@ -97,8 +97,11 @@ class NixlWire(_Wire):
     def finished_with(self, read: Any) -> None:
         pass
 
-    def close_if_idle(self, idle_s: float, now: float) -> bool:
+    def is_idle(self, idle_s: float, now: float) -> bool:
         return False  # a NIXL peer holds no memory of P's
+
+    def close_if_idle(self, idle_s: float, now: float) -> bool:
+        return False
 
 
 class IpcWire(_Wire):
@@ -129,12 +132,20 @@ class IpcWire(_Wire):
             self.users -= 1
             self.last_used = time.monotonic()
 
+    def is_idle(self, idle_s: float, now: float) -> bool:
+        """Whether :meth:`close_if_idle` would drop the mapping now."""
+        with self._lock:
+            return self._idle(idle_s, now)
+
+    def _idle(self, idle_s: float, now: float) -> bool:
+        return self.mapped is not None and not self.users and now - self.last_used >= idle_s
+
     def close_if_idle(self, idle_s: float, now: float) -> bool:
         """Drop the mapping when no read uses it and none came for ``idle_s``: torch
         closes the IPC handle with the last reference, and only then can the GPU free P's
         staging once P is gone. True when it was dropped."""
         with self._lock:
-            if self.mapped is None or self.users or now - self.last_used < idle_s:
+            if not self._idle(idle_s, now):
                 return False
             self.mapped = None
             return True
