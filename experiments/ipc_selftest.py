@@ -7,7 +7,13 @@ both; a "decode" process maps the staging (open_staging), makes its stream wait 
 event, copies the extent out and checks every byte; then it times copies out of the
 mapping against a local device copy (94 MiB and 1 GiB), and finally the prefill process
 is SIGKILLed while the decode process still holds the mapping: does the decode process
-survive, read the old bytes, and run a fresh allocation and kernel afterwards?
+survive, read the old bytes, and run a fresh allocation and kernel afterwards? Last,
+the decode process uses the dead peer's mapping as kvcached-pd's decode side does (the
+extent's tag read on a side stream, ``tokens.read_tags``; a copy out of the extent on
+the compute stream after the pack event), then drops every reference to it and reports
+how much of the GPU's memory came back (``freed_mib_on_unmap``; the peer's 1 GiB staging
+should): on 2 x H200 (2026-11-26) a killed P's staging stayed held after a pull-mode D
+dropped its mapping.
 
 usage: python experiments/ipc_selftest.py [--device 0] [--peer-device 0] [--out result.json]
 Prints one JSON object (and writes it with --out). Needs a GPU.
@@ -93,9 +99,43 @@ def decode(device: int, export_raw: dict, conn) -> None:
             result["healthy_after_peer_killed"] = bool(torch.isfinite(fresh).all())
         except Exception as exc:  # noqa: BLE001
             result["healthy_after_peer_killed"] = f"error: {exc}"
+        try:
+            result.update(unmap_returns_memory(torch, mapped, dev))
+        except Exception as exc:  # noqa: BLE001
+            result["freed_mib_on_unmap"] = f"error: {exc}"
+        del mapped, src, got, again, local, dst, source
+        import gc
+
+        gc.collect()
+        torch.cuda.synchronize()
+        if isinstance(result.get("free_mib_held"), int):
+            freed = round(torch.cuda.mem_get_info(dev)[0] / MIB) - result["free_mib_held"]
+            result["freed_mib_on_unmap"] = freed
     except Exception as exc:  # noqa: BLE001
         result["error"] = f"{type(exc).__name__}: {exc}"
     conn.send(("final", result))
+
+
+def unmap_returns_memory(torch, mapped, dev) -> dict:
+    """Use the (dead peer's) mapping as the decode side does, drop this function's
+    references, and the GPU's free memory before and after (the caller holds ``mapped``
+    and views of it: the first figure is with those still alive)."""
+    import gc
+
+    from kvcached_pd.connector import tokens
+
+    side = torch.cuda.Stream(dev)
+    window = mapped.extent(0, 94 * MIB)
+    mapped.wait_packed(3, side)
+    tokens.read_tags([window, mapped.extent(94 * MIB, 4 * MIB)], side)
+    mapped.wait_packed(3, torch.cuda.current_stream(dev))
+    out = torch.empty(94 * MIB, dtype=torch.uint8, device=dev)
+    out.copy_(window)
+    torch.cuda.synchronize()
+    del window, out
+    gc.collect()
+    torch.cuda.synchronize()
+    return {"free_mib_held": round(torch.cuda.mem_get_info(dev)[0] / MIB)}
 
 
 def main() -> int:
