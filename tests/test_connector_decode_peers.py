@@ -189,3 +189,20 @@ def test_a_peer_loads_synchronously_only_once_every_rank_has_mapped_it():
     other = StagedParams(**{**staged.__dict__, "port": 5700})
     staged = other
     assert match(4) == (40, True), "another host:port for the same engine id is not that peer"
+
+
+def test_a_request_preempted_before_its_unpack_was_reported_computes_its_prompt_again():
+    """vLLM preempts a request (its blocks freed, its computed tokens reset) between its
+    load and the worker's word that the unpack ran: asked again, D loads nothing (P's
+    extent may be freed by then: a second load would fail its tag, and the request with
+    it) and vLLM computes the prompt itself."""
+    from kvcached_pd.connector.decode import _Pending
+
+    scheduler = DecodeScheduler(digest=DIGEST, block_size=16, capacity_bytes=1 << 20,
+                                tp_size=1)
+    request = SimpleNamespace(request_id="r1", prompt_token_ids=[1] * 16,
+                              kv_transfer_params={"do_remote_prefill": True,
+                                                  "remote_engine_id": "p1"})
+    scheduler.parked["r1"] = _Pending(request, params("p1", 5600), 0)
+    assert scheduler.match(request, 0) == (0, False)
+    assert scheduler.on_alloc(request, None, 0), "the inner connector would notify P now"
