@@ -26,6 +26,9 @@
 #          CUDA IPC survive its death?) and, where present, ipc_selftest.py (the same of
 #          kvcached-pd's own IPC layer), then D killed 1 s into a 128-request load, then P
 #          killed likewise (tiny; pull and push): the survivor serves, its memory returns.
+#          COLO_KILLS (default "decode prefill"): the roles killed, in order, the part's
+#          time split evenly among them (2026-11-26: half of 560 s held kill D in pull
+#          mode only; COLO_KILLS=decode gives it the whole part).
 # Every staged pair must name its wire in D's log ("kvcached-pd: staged peer ... wire ipc";
 # --expect-wire ipc), with no IPC->NIXL fallback, except staged-nixl (forced nixl). A mode
 # whose servers do not start is reported by its harness with the reason (the other modes
@@ -138,12 +141,14 @@ e)
     run timeout 150 python3 "$HERE/ipc_selftest.py" --out "$W/probe/selftest.json"
     echo "rc selftest=$?"
   fi
-  traffic killd $(( ($(left) - 25) / 2 )) --model "$TINY" --modes kvpd-staged,kvpd-push \
-    --push-concurrent --requests 128 --kill decode --kill-at-s 1 --expect-wire ipc \
-    "${GPU_ARGS[@]}"
-  traffic killp $(( $(left) - 25 )) --model "$TINY" --modes kvpd-staged,kvpd-push \
-    --push-concurrent --requests 128 --kill prefill --kill-at-s 1 --expect-wire ipc \
-    "${GPU_ARGS[@]}"
+  read -r -a kills <<< "${COLO_KILLS:-decode prefill}"
+  n=${#kills[@]}
+  for role in "${kills[@]}"; do  # the time left split evenly among the kills still to run
+    traffic "kill${role:0:1}" $(( ($(left) - 25) / n )) --model "$TINY" \
+      --modes kvpd-staged,kvpd-push --push-concurrent --requests 128 --kill "$role" \
+      --kill-at-s 1 --expect-wire ipc "${GPU_ARGS[@]}"
+    n=$(( n - 1 ))
+  done
   ;;
 esac
 [ "$DRY" = 1 ] && exit 0

@@ -363,6 +363,21 @@ def test_every_part_parses_with_the_harnesses_own_parsers(tmp_path, models):
     assert (aborts.abort_every, aborts.repeats) == (9, 5)
     killd, killp = seen["e"]
     assert (killd.kill, killp.kill) == ("decode", "prefill") and killd.kill_at_s == 1
+    assert killd.modes == killp.modes == ["kvpd-staged", "kvpd-push"]
+
+
+def test_part_e_kills_the_roles_asked_for_with_the_parts_whole_time(tmp_path, models):
+    budgets = []
+    for kills in ("decode", "prefill decode"):
+        cmds = [argv for argv in _dry_run(tmp_path, "e", COLO_KILLS=kills, **models)
+                if any(x.endswith("traffic.sh") for x in argv)]
+        roles = [pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]]).kill
+                 for argv in cmds]
+        assert roles == kills.split()
+        budgets.append([int(x.split("=", 1)[1]) for argv in cmds for x in argv
+                        if x.startswith("TRAFFIC_BUDGET_S=")])
+    (alone,), (first, second) = budgets
+    assert alone > 500 and 230 < first < 280 and second > 500  # dry runs take no time
 
 
 def test_other_gpus_and_unknown_parts(tmp_path, models):
