@@ -421,3 +421,47 @@ def test_the_unmap_says_how_much_of_the_gpus_memory_came_back(
     assert len(reads) == 2
     assert "staging after 0 s without requests (its next request maps it again); the " \
            "GPU's free memory rose by 2048 MiB" in caplog.text
+
+
+def test_a_failed_synchronous_load_never_lends_its_blocks_to_the_next_steps_requests(
+        staged_env, ipc, sync_loads, caplog):
+    """vLLM puts a synchronous load's blocks into D's prefix cache when it schedules the
+    request, and its asynchronous scheduling plans step N+1 before step N's failure is
+    seen. A forged request (another token) for a prompt whose blocks D has never cached
+    fails in step N; the real request for the same prompt, scheduled in step N+1, hits
+    the forged request's (never written) blocks. It must fail with it (vLLM's default
+    ``kv_load_failure_policy=fail`` fails every running request holding invalid blocks)
+    or end with P's exact KV: never run on the unwritten blocks."""
+    from vllm.v1.engine import FinishReason
+
+    caplog.set_level(logging.ERROR, logger="kvcached_pd")
+    p = pd.make_engine("p", "kv_producer", seed=31)
+    d = pd.make_engine("d", "kv_consumer", seed=32, prefix_caching=True)
+    first = list(range(200, 244))  # its handshake maps P's staging
+    d.sched.add_request(pd.decode_request("d-r1", first, pd.prefilled(p, "r1", first),
+                                          block_hasher=d.block_hasher))
+    assert pd.run([p, d], lambda: "d-r1" in d.outputs and d.outputs["d-r1"].finished)
+    prompt = list(range(1, 41))  # two full blocks and 8 tokens
+    real = pd.prefilled(p, "v", prompt)
+    p_blocks = list(real["remote_block_ids"][0])
+    forged = copy.deepcopy(real)
+    forged[PARAMS_KEY]["token"] = new_token().hex()
+    d.sched.add_request(pd.decode_request("d-forged", prompt, forged,
+                                          block_hasher=d.block_hasher))
+    out_n = d.schedule()
+    runner_n = d.execute(out_n)  # the forged load fails here: its blocks stay unwritten
+    assert sync_loads == ["d-forged"] and runner_n.kv_connector_output.invalid_block_ids
+    d.sched.add_request(pd.decode_request("d-real", prompt, real,
+                                          block_hasher=d.block_hasher))
+    out_n1 = d.schedule()  # planned before step N's failure is seen, as vLLM does
+    assert d.sched.requests["d-real"].num_computed_tokens >= 32, \
+        "the real request did not hit the forged one's cached blocks (the case under test)"
+    d_blocks = d.blocks_of("d-real")
+    d.finish(out_n, runner_n)
+    d.finish(out_n1, d.execute(out_n1))
+    assert pd.run([p, d], lambda: all(r in d.outputs and d.outputs[r].finished
+                                      for r in ("d-forged", "d-real")))
+    assert d.outputs["d-forged"].finish_reason == FinishReason.ERROR
+    if d.outputs["d-real"].finish_reason != FinishReason.ERROR:
+        assert same_kv(p, d, p_blocks, d_blocks, len(prompt)), \
+            "the real request ran on blocks the forged load never wrote"

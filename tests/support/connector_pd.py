@@ -87,12 +87,23 @@ class Engine:
         return self.sched.get_kv_connector()
 
     def step(self) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        out = self.schedule()
+        self.finish(out, self.execute(out))
+        return out
 
+    def schedule(self) -> Any:
         # each instance is its own process with its own environment; vLLM reads its
         # side-channel port from the environment when it builds a request's params
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.port)
-        out = self.sched.schedule()
+        return self.sched.schedule()
+
+    def execute(self, out: Any) -> Any:
+        """The worker's part of a step (vLLM's model runner without a model): the
+        connector's hooks around the forward; the ModelRunnerOutput. ``step`` runs
+        ``schedule``, ``execute`` and ``finish`` in order; vLLM's asynchronous scheduling
+        schedules the next step before it finishes this one, which a test can do too."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
         worker = self.worker
         meta = out.kv_connector_metadata
         if meta is not None:
@@ -115,11 +126,14 @@ class Engine:
             kv_connector_stats=worker.get_kv_connector_stats())
         worker.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
-        runner = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[self._sampled(r) for r in req_ids], logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=None, kv_connector_output=kv_out)
+
+    def finish(self, out: Any, runner: Any) -> None:
+        """The scheduler's part after the step ran: vLLM's update_from_output."""
         results = self.sched.update_from_output(out, runner)
         for eco in results.values():
             sched_stats = getattr(eco, "scheduler_stats", None)
@@ -127,7 +141,6 @@ class Engine:
                 self.stats.append(sched_stats.kv_connector_stats)
             for o in eco.outputs:
                 self.outputs[o.request_id] = o
-        return out
 
     def _sampled(self, req_id: str) -> list[int]:
         """What the model runner samples: nothing for a prefill chunk that does not
