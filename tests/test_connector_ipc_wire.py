@@ -384,6 +384,7 @@ def test_an_unmapped_peer_is_mapped_again_and_its_loads_stay_correct(
     assert sync_loads == ["d-r2"] and len(ipc.opened) == 2
     assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
     assert unmapped(), "the idle peer stayed mapped"
+    worker.idle_unmap_s = 60.0  # no further drop while the next requests run, however slow
     d.step()  # an idle step carries the worker's news
     assert not d.connector._decode.ipc_ranks, "the scheduler never heard of the unmap"
     params, p_blocks, d_blocks = handoff(p, d, "r3", prompt)
