@@ -164,13 +164,12 @@ def test_wire_ipc_fails_the_loads_of_a_peer_it_cannot_open(staged_env, ipc, read
     params = pd.prefilled(p, "r1", prompt)
     invalid = pd.record_load_errors(d)  # vLLM 0.30+ reads them; earlier releases ask
     failed = []  # for the connector's own failed loads (what its poll returns)
-    poll = d.worker._poll_staged_loads
 
-    def recorded_poll():
+    def recorded_poll(poll):
         done, bad = poll()
         failed.extend(bad)
         return done, bad
-    d.worker._poll_staged_loads = recorded_poll
+    pd.wrap_method(d.worker, "_poll_staged_loads", recorded_poll)
     d.sched.add_request(pd.decode_request("d-r1", prompt, params))
     assert pd.run([p, d], lambda: bool(invalid) or bool(failed), timeout_s=20), \
         "D's load did not fail"

@@ -269,18 +269,16 @@ def test_a_peer_without_kvcached_pd_cannot_handshake_with_the_contiguous_layout(
     p = kvcached_engine("p", "kv_producer", True, seed=5)
     with without_kvcached_pd(env, restore=False):
         d = pd.make_engine("d", "kv_consumer", seed=6, staged=False, num_blocks=NUM_BLOCKS)
-    worker = d.worker.connector_worker
     refused = []
-    real_add = worker.add_remote_agent
 
-    def add_remote_agent(*args, **kwargs):
+    def add_remote_agent(real_add, *args, **kwargs):
         try:
             return real_add(*args, **kwargs)
         except Exception as exc:
             refused.append(exc)
             raise
 
-    worker.add_remote_agent = add_remote_agent
+    pd.wrap_method(d.worker.connector_worker, "add_remote_agent", add_remote_agent)
     before = [c.clone() for c in d.caches]
     load(p, d, "r1")
     assert refused, "vLLM's handshake accepted a peer that registered no KV"

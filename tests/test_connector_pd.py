@@ -345,16 +345,16 @@ def test_decode_waits_within_the_step_for_a_read_about_to_end(staged_env, spin_s
     assert worker.spin_s == 0.001  # KVCACHED_PD_READ_SPIN_US's default reached D
     worker.spin_s = spin_s
     first_polls = []
-    real_poll = worker.poll
+    inflight = worker.inflight  # the worker's own dict, read before each poll
 
-    def poll():
-        posted = set(worker.inflight)
+    def poll(real_poll):
+        posted = set(inflight)
         finished, failed, invalid = real_poll()
         first_polls.extend((req_id, req_id in finished) for req_id in posted
                            if req_id not in {r for r, _ in first_polls})
         return finished, failed, invalid
 
-    worker.poll = poll
+    pd.wrap_method(worker, "poll", poll)
     handoff(p, d, "r1", list(range(1, 45)))
     assert first_polls == [("d-r1", spin_s > 0)]
 

@@ -86,9 +86,8 @@ def test_staged_decode_never_registers_for_a_per_block_write(staged_env, shut_do
     p = engine(shut_down, "p", "kv_producer", 23)
     d = engine(shut_down, "d", "kv_consumer", 24)
     writes = []
-    inner = p.worker._inner
-    real = inner.connector_worker._do_start_push_kv
-    inner.connector_worker._do_start_push_kv = lambda *a, **k: writes.append(a) or real(*a, **k)
+    pd.wrap_method(p.worker._inner.connector_worker, "_do_start_push_kv",
+                   lambda real, *a, **k: writes.append(a) or real(*a, **k))
     handoff(p, d, "s2", PROMPT)
     assert settled(p, d)
     assert not writes, "P started vLLM's per-block push WRITE for a staged request"

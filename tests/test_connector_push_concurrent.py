@@ -45,9 +45,8 @@ def engine_id(e: pd.Engine) -> str:
 
 def watch_per_block_writes(p: pd.Engine) -> list:
     writes: list = []
-    worker = p.worker._inner.connector_worker
-    real = worker._do_start_push_kv
-    worker._do_start_push_kv = lambda *a, **k: writes.append(a) or real(*a, **k)
+    pd.wrap_method(p.worker._inner.connector_worker, "_do_start_push_kv",
+                   lambda real, *a, **k: writes.append(a) or real(*a, **k))
     return writes
 
 

@@ -344,17 +344,39 @@ def prefilled(p: Engine, req_id: str, prompt: list[int]) -> dict:
     return p.outputs[req_id].kv_transfer_params
 
 
+def wrap_method(obj: Any, name: str, around: Callable[..., Any]) -> None:
+    """Make ``obj.name(*args)`` call ``around(real, *args)``, where ``real`` calls the
+    method as it was, without a reference cycle: the wrapper stored on ``obj`` holds
+    ``obj`` only weakly. A wrapper holding ``obj``'s bound method kept a test's worker
+    alive past its engine, in a cycle the cyclic collector freed at some later point,
+    inside another test, while that test's vLLM handshake thread was in NIXL's
+    add_remote_agent: the NIXL group's SIGABRT (2 of 16 groups in a fresh-clone run,
+    2026-11-26, both in tests that wrapped a worker's method this way)."""
+    own = vars(obj).get(name)
+    if own is not None:
+        real = own
+    else:
+        method, ref = getattr(type(obj), name), weakref.ref(obj)
+
+        def real(*args: Any, **kwargs: Any) -> Any:
+            return method(ref(), *args, **kwargs)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return around(real, *args, **kwargs)
+
+    setattr(obj, name, wrapper)
+
+
 def record_load_errors(d: Engine) -> list[int]:
     """Every block id D's worker reports as failed to load, from now on."""
     seen: list[int] = []
-    real = d.worker.get_block_ids_with_load_errors
 
-    def load_errors():
+    def load_errors(real):
         blocks = real()
         seen.extend(blocks)
         return blocks
 
-    d.worker.get_block_ids_with_load_errors = load_errors
+    wrap_method(d.worker, "get_block_ids_with_load_errors", load_errors)
     return seen
 
 
