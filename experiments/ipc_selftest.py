@@ -22,6 +22,7 @@ Prints one JSON object (and writes it with --out). Needs a GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -100,12 +101,10 @@ def decode(device: int, export_raw: dict, conn) -> None:
         except Exception as exc:  # noqa: BLE001
             result["healthy_after_peer_killed"] = f"error: {exc}"
         try:
-            result.update(unmap_returns_memory(torch, mapped, dev))
+            result.update(use_mapping_as_decode_does(torch, mapped, dev))
         except Exception as exc:  # noqa: BLE001
             result["freed_mib_on_unmap"] = f"error: {exc}"
-        del mapped, src, got, again, local, dst, source
-        import gc
-
+        del mapped, src, got, again, local, dst, source  # every view of the mapping
         gc.collect()
         torch.cuda.synchronize()
         if isinstance(result.get("free_mib_held"), int):
@@ -116,12 +115,10 @@ def decode(device: int, export_raw: dict, conn) -> None:
     conn.send(("final", result))
 
 
-def unmap_returns_memory(torch, mapped, dev) -> dict:
-    """Use the (dead peer's) mapping as the decode side does, drop this function's
-    references, and the GPU's free memory before and after (the caller holds ``mapped``
-    and views of it: the first figure is with those still alive)."""
-    import gc
-
+def use_mapping_as_decode_does(torch, mapped, dev) -> dict:
+    """Read the (dead peer's) mapping as kvcached-pd's decode side does, drop the views
+    made here, and return the GPU's free memory while the caller still holds the
+    mapping (``free_mib_held``; the caller drops it and reports what came back)."""
     from kvcached_pd.connector import tokens
 
     side = torch.cuda.Stream(dev)
