@@ -141,7 +141,8 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
             self._decode = DecodeScheduler(
                 digest=digest, block_size=block_size, capacity_bytes=plan.decode_bytes,
                 tp_size=tp, push=self._push, lease_s=vllm_api.kv_lease_seconds(vllm_config),
-                fmt=fmt, probe=ClaimProbe(digest, tp, secret=secret) if self._push else None)
+                fmt=fmt, probe=ClaimProbe(digest, tp, secret=secret) if self._push else None,
+                secret=secret)
 
     # ========================================================== scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
@@ -401,8 +402,8 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
                 self._listener.close()
             if self._prefill is not None and self._prefill.board is not None:
                 self._prefill.board.close()
-            if self._decode is not None and self._decode.probe is not None:
-                self._decode.probe.close()
+            if self._decode is not None:
+                self._decode.close()
             if self._decode_worker is not None:
                 self._decode_worker.close()
             if self._region is not None:

@@ -45,7 +45,10 @@ at the claim port (:mod:`.side_channel`) for P's handshake, once per P engine, w
 vLLM holds the request back; a kvcached-pd P of a claim-capable wire and the same
 packed format makes the request staged: D allocates its blocks at once, takes it out
 of vLLM's push flow as above, and its worker claims the params from P's listener,
-which answers when P has packed the extent; the READ follows as in pull mode. Any other
+which answers when P has packed the extent; the READ follows as in pull mode. From a P
+every rank of D reads over CUDA IPC, D's scheduler claims the params itself instead and
+holds the request back until P answers, so that it loads synchronously in the step that
+schedules it (:meth:`DecodeScheduler._claim_now`). Any other
 P (a plain vLLM, an older wire, another format, nothing listening within
 :data:`PROBE_TIMEOUT_S`) keeps vLLM's per-block push, said once per peer and retried
 after :data:`PROBE_RETRY_S`. Before this, every concurrent leg took that per-block push
@@ -155,6 +158,36 @@ def _bound(cache: dict, limit: int | None = None) -> None:
         del cache[next(iter(cache))]
 
 
+def read_claim_reply(target: ClaimTarget, reply: ClaimReply, digest: str, capacity_bytes: int,
+                     num_tokens: int) -> tuple[StagedParams, float]:
+    """P's answer to a claim, checked: (P's params, how long ago P staged them, >= 0);
+    :class:`WireError` with the reason the request's load fails. The listener is the
+    request's choice, so the answer is untrusted like the params of a pull request."""
+    if reply.status == "gone":
+        raise WireError(f"prefill {target.engine_id} has no staged extent for it: {reply.reason}")
+    try:
+        params = StagedParams.from_params({PARAMS_KEY: reply.params})
+    except WireError as exc:
+        raise WireError(f"prefill {target.engine_id} answered its claim with {exc}") from None
+    if params is None or params.engine_id != target.engine_id:
+        raise WireError(f"the claim was answered by another prefill than {target.engine_id}")
+    if params.format_digest != digest or params.wire_version not in COMPATIBLE_WIRE_VERSIONS:
+        raise WireError(f"prefill {target.engine_id}'s extent is in another packed format or wire")
+    if params.num_tokens != num_tokens:
+        raise WireError(f"prefill {target.engine_id} staged {params.num_tokens} tokens for "
+                        f"{target.key}, this decode expects {num_tokens}")
+    if params.nbytes > capacity_bytes:
+        raise WireError(f"its {params.nbytes >> 20} MiB extent exceeds the "
+                        f"{capacity_bytes >> 20} MiB decode staging")
+    age_s = reply.age_s
+    if isinstance(age_s, bool) or not isinstance(age_s, (int, float)) or \
+            not -CLAIM_AGE_SLACK_S <= age_s <= MAX_LEASE_S:
+        raise WireError(f"prefill {target.engine_id} answered its claim with an invalid age")
+    # A P of wire version 3 before the board clamped its ages could answer a claim
+    # published just after it read its clock with a small negative age: that is 0.
+    return params, max(0.0, float(age_s))
+
+
 @dataclass
 class _Pending:
     request: Any
@@ -165,6 +198,8 @@ class _Pending:
     claim: ClaimTarget | None = None
     full_hit: bool = False  # D holds every token it needs: P gets the DONE alone
     sync: bool = False  # loaded within the step that schedules it (an IPC peer)
+    deadline: float | None = None  # params claimed by the scheduler: P's lease, halved
+    failure: str = ""  # the scheduler's claim failed: the worker fails the load with this
 
 
 class ClaimProbe:
@@ -238,6 +273,13 @@ class DecodeScheduler:
     lease_s: float = 30.0  # how long a claim may wait for P's prefill (this engine's lease)
     fmt: PackedFormat | None = None  # this side's packed format (a claim's size estimate)
     probe: ClaimProbe | None = None  # push mode: which P answers claims
+    secret: bytes | None = None  # proves this D to P's listener (side_channel.sign)
+    claim_timeout_s: float = 5.0  # a claim listener silent this long past its hold is gone
+    # push mode, concurrent legs, an IPC peer: the scheduler claims the params itself
+    # (_claim_now), request id -> (target, when claimed), and the replies taken
+    claims: ClaimClient | None = None
+    claiming: dict[str, tuple[ClaimTarget, float]] = field(default_factory=dict)
+    replies: dict[str, ClaimReply | Exception] = field(default_factory=dict)
     pending: dict[str, _Pending] = field(default_factory=dict)
     orders: dict[str, RecvOrder] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
@@ -317,11 +359,21 @@ class DecodeScheduler:
             self.pending[request.request_id] = _Pending(request, staged, num_computed_tokens,
                                                         claim=claim, full_hit=True)
             return 0, False
+        deadline, failure = None, ""
+        if claim is not None and (request.request_id in self.claiming
+                                  or self._ipc_engine(claim)):
+            claimed = self._claim_now(request, claim)
+            if claimed is None:
+                return None, False  # P has not staged it yet: vLLM asks again next step
+            staged, deadline, failure = claimed
+            if staged is not None:
+                claim = None
         sync = staged is not None and self._loads_now(staged)
         trace("d_match", request.request_id, tokens=count, sync=sync,
               since_arrival_ms=ms_since(getattr(request, "arrival_time", None)))
         self.pending[request.request_id] = _Pending(request, staged, num_computed_tokens,
-                                                    claim=claim, sync=sync)
+                                                    claim=claim, sync=sync,
+                                                    deadline=deadline, failure=failure)
         if sync:
             # vLLM computes the last prompt token in the step that schedules the request
             # (after any load it does so again, it needs that token's logits)
@@ -332,15 +384,68 @@ class DecodeScheduler:
         """Whether this request loads synchronously: within the step that schedules it,
         before that step's forward, on the compute stream. Only from a peer every rank
         of which D reads over CUDA IPC (no READ to wait for: the unpack reads P's extent
-        after P's pack event, 0.25 ms at 94 MiB on an H200), in pull mode (push mode's
-        params come by claim, later), with P's block size. An asynchronous load costs
+        after P's pack event, 0.25 ms at 94 MiB on an H200), with P's block size; in
+        push mode with concurrent legs the scheduler claims the params first
+        (:meth:`_claim_now`). An asynchronous load costs
         vLLM two more engine steps before the request's first forward: the step that
         reports the load finished and, with vLLM's asynchronous scheduling (its
         default), the step scheduled before that report was seen: 15-18 ms each on one
         H200 shared by P and D under load (2026-11-26, kvbig 48/8)."""
-        if self.push or staged.block_size != self.block_size:
+        if staged.block_size != self.block_size:
             return False
         return len(self.ipc_ranks.get(_peer_key(staged), ())) >= self.tp_size
+
+    def _ipc_engine(self, claim: ClaimTarget) -> bool:
+        """Whether every rank of D reads the claimed request's P over CUDA IPC. A claim
+        names P's vLLM address, the handshake P's own: the engine id ties them (a
+        request naming the right engine at another host is told apart later: its
+        params' peer is not a mapped one, or its tag is not the request's)."""
+        return any(key[0] == claim.engine_id and len(ranks) >= self.tp_size
+                   for key, ranks in self.ipc_ranks.items())
+
+    def _claim_now(self, request: Any, claim: ClaimTarget
+                   ) -> tuple[StagedParams | None, float | None, str] | None:
+        """Push mode, concurrent legs, from an IPC peer: claim the params here, holding
+        the request back (vLLM asks again every step) until P has staged it, so that it
+        loads synchronously in the step that schedules it. The worker's claim (the
+        asynchronous path) reports the load finished one step after P answered and
+        vLLM's asynchronous scheduling adds one more: the two steps the pull path's
+        synchronous loads took out (15-18 ms each under load on one H200). None while P
+        has not answered; else (params, the READ's deadline, "") or (None, None, why the
+        load fails): the worker fails it as a failed claim of its own."""
+        req_id = request.request_id
+        now = time.monotonic()
+        if req_id not in self.claiming:
+            if self.claims is None:
+                self.claims = ClaimClient(self.claim_timeout_s, self.secret)
+            self.claims.submit(req_id, claim.host, claim.port,
+                               Claim(CLAIM_WIRE_VERSION, claim.key, claim.engine_id))
+            self.claiming[req_id] = (claim, now)
+            trace("claim_sent", req_id, key=claim.key, by="scheduler")
+            return None
+        self.replies.update({r: reply for r, reply in self.claims.take().items()
+                             if r in self.claiming})
+        target, since = self.claiming[req_id]
+        reply = self.replies.pop(req_id, None)
+        if reply is None:
+            if now - since <= self.lease_s:
+                return None
+            self.claims.cancel(req_id)
+            del self.claiming[req_id]
+            return None, None, (f"prefill {target.engine_id} had not staged it within this "
+                                "instance's KV lease")
+        del self.claiming[req_id]
+        if isinstance(reply, Exception):
+            return None, None, f"claim from {target.engine_id}: {reply}"
+        try:
+            params, age_s = read_claim_reply(target, reply, self.digest, self.capacity_bytes,
+                                             len(request.prompt_token_ids or ()))
+        except WireError as exc:
+            return None, None, str(exc)
+        trace("claim_answered", req_id, age_ms=round(1e3 * age_s, 3),
+              remote_req=params.request_id, by="scheduler")
+        # P's lease began when P staged it, age_s ago: D never READs after half of it
+        return params, now + params.lease_s / 2 - age_s, ""
 
     def on_wires(self, ipc_peers: dict[tuple[str, str, int, int], bool]) -> None:
         """The workers' news of their peers' wires (``WorkerReport.ipc_peers``)."""
@@ -418,7 +523,9 @@ class DecodeScheduler:
         self.orders[request.request_id] = RecvOrder(
             params=entry.params, block_ids=tuple(ids[first_block:last_block]),
             first_token=entry.first_token, num_tokens=num_tokens,
-            deadline=time.monotonic() + wait_s, claim=entry.claim, sync=entry.sync)
+            deadline=entry.deadline if entry.deadline is not None
+            else time.monotonic() + wait_s,
+            claim=entry.claim, sync=entry.sync, failure=entry.failure)
         if entry.sync:
             # no finished load is ever reported for it: it waits, as an IPC load whose
             # unpack may still read P's staging, for the worker's word that it ran
@@ -486,7 +593,7 @@ class DecodeScheduler:
             handed.append((entry.request, entry.blocks))
         for req_id in read:
             entry = self.parked.pop(req_id, None)
-            if entry is not None:
+            if entry is not None and not self.push:
                 handed.append((entry.request, entry.blocks))
         return handed
 
@@ -523,6 +630,12 @@ class DecodeScheduler:
 
     def on_request_finished(self, request: Any) -> None:
         self.computing.discard(request.request_id)
+        if self.claiming.pop(request.request_id, None) is not None:
+            # held back for its claim (never allocated): P's lease frees its extent, as
+            # for a push-mode request aborted before its READ
+            self.claims.cancel(request.request_id)
+            self.replies.pop(request.request_id, None)
+            return
         if self.parked.pop(request.request_id, None) is not None:
             # its unpack may still read P's staging: vLLM must not notify P now (it does
             # for a request that still asks for a remote prefill); P frees on D's DONE
@@ -542,6 +655,12 @@ class DecodeScheduler:
     def take_samples(self) -> dict[str, list[float]]:
         samples, self.samples = self.samples, {}
         return samples
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+        if self.claims is not None:
+            self.claims.close()
 
     def _refuse(self, engine_id: str, reason: str) -> None:
         self.samples.setdefault("direct_fallbacks", []).append(1)
@@ -614,6 +733,9 @@ class DecodeWorker:
     def start(self, orders: dict[str, RecvOrder], cancelled: set[str]) -> None:
         now: list[tuple[str, _Read]] = []  # synchronous loads, unpacked below
         for req_id, order in orders.items():
+            if order.failure:
+                self._fail(req_id, _Read(order, order.params, order.deadline), order.failure)
+                continue
             if order.sync:
                 read = _Read(order, order.params, order.deadline)
                 if self._post_now(req_id, read):
@@ -761,33 +883,15 @@ class DecodeWorker:
 
     def _claimed(self, read: _Read, reply: ClaimReply, now: float) -> str | None:
         """Take P's answer to a claim; the reason the load fails, or None."""
-        target = read.order.claim
-        if reply.status == "gone":
-            return f"prefill {target.engine_id} has no staged extent for it: {reply.reason}"
         try:
-            params = StagedParams.from_params({PARAMS_KEY: reply.params})
+            params, age_s = read_claim_reply(read.order.claim, reply, self.region.digest,
+                                             self.region.buffer.allocator.capacity_bytes,
+                                             read.order.num_tokens)
         except WireError as exc:
-            return f"prefill {target.engine_id} answered its claim with {exc}"
-        if params is None or params.engine_id != target.engine_id:
-            return f"the claim was answered by another prefill than {target.engine_id}"
-        if params.format_digest != self.region.digest or \
-                params.wire_version not in COMPATIBLE_WIRE_VERSIONS:
-            return f"prefill {target.engine_id}'s extent is in another packed format or wire"
-        if params.num_tokens != read.order.num_tokens:
-            return (f"prefill {target.engine_id} staged {params.num_tokens} tokens for "
-                    f"{target.key}, this decode expects {read.order.num_tokens}")
-        if params.nbytes > self.region.buffer.allocator.capacity_bytes:
-            return (f"its {params.nbytes >> 20} MiB extent exceeds the "
-                    f"{self.region.buffer.allocator.capacity_bytes >> 20} MiB decode staging")
-        age_s = reply.age_s
-        if isinstance(age_s, bool) or not isinstance(age_s, (int, float)) or \
-                not -CLAIM_AGE_SLACK_S <= age_s <= MAX_LEASE_S:
-            return f"prefill {target.engine_id} answered its claim with an invalid age"
+            return str(exc)
         read.params = params
         # P's lease began when P finished it, age_s ago: D never READs after half of it.
-        # A P of wire version 3 before the board clamped its ages could answer a claim
-        # published just after it read its clock with a small negative age: that is 0.
-        read.deadline = now + params.lease_s / 2 - max(0.0, age_s)
+        read.deadline = now + params.lease_s / 2 - age_s
         return None
 
     def _peer(self, params: StagedParams) -> Future:

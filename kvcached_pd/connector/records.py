@@ -75,6 +75,9 @@ class RecvOrder:
     # load it within this step, before its forward (an IPC peer: vLLM was told the load
     # is synchronous and computes the last prompt token in the same step)
     sync: bool = False
+    # the scheduler's own claim for it failed (push mode, an IPC peer): the worker fails
+    # the load with this reason, as it does a failed claim of its own
+    failure: str = ""
 
 
 @dataclass

@@ -1,0 +1,163 @@
+"""Push mode with concurrent legs from a peer D reads over CUDA IPC: D's scheduler
+claims the params itself and loads synchronously.
+
+The decode leg reaches D before P has prefilled. For a P every rank of D has mapped,
+D's scheduler claims the staged params from P's listener and holds the request back
+(nothing allocated, vLLM asks again every step) until P answers; the request then loads
+in the step that schedules it, as pull mode's synchronous loads do. Real vLLM
+AsyncSchedulers and push connectors over real NIXL agents; only CUDA IPC is faked
+(tests/support/fake_cuda_ipc.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvcached_pd import vllm_api
+from kvcached_pd.connector.side_channel import ClaimClient
+from kvcached_pd.connector.wire import ClaimReply
+from tests.support import connector_pd as pd
+from tests.test_connector_ipc_wire import ipc, reads_left, sync_loads  # noqa: F401 (fixtures)
+from tests.test_connector_mixed import assert_same_kv, settled
+from tests.test_connector_pd import saw_done, staged_env  # noqa: F401 (fixture)
+from tests.test_connector_push import PUSH, engine, shut_down  # noqa: F401 (fixture)
+from tests.test_connector_push_concurrent import (
+    PROMPT,
+    both_legs,
+    concurrent_params,
+    watch_per_block_writes,
+)
+
+pytestmark = pytest.mark.skipif(
+    vllm_api.api_for(None) is None or vllm_api.current().push_name != PUSH,
+    reason="vLLM has push mode (NixlPushConnector) from 0.24 on")
+
+
+@pytest.fixture
+def claims(monkeypatch):
+    """(client, request id) of every claim sent, by D's scheduler or its worker."""
+    sent = []
+    real = ClaimClient.submit
+
+    def submit(self, req_id, host, port, claim):
+        sent.append((self, req_id))
+        return real(self, req_id, host, port, claim)
+    monkeypatch.setattr(ClaimClient, "submit", submit)
+    return sent
+
+
+def mapped_pair(shut_down, seeds):
+    """P and D in push mode, P's staging mapped by D (the first request's asynchronous
+    claim and handshake)."""
+    p = engine(shut_down, "p", "kv_producer", seeds[0])
+    d = engine(shut_down, "d", "kv_consumer", seeds[1])
+    both_legs(p, d, "c0", PROMPT)
+    assert d.connector._decode.ipc_ranks, "D's scheduler never learnt P's wire"
+    return p, d
+
+
+def p_kv(p, req_id, n):
+    ids = p.outputs[req_id].kv_transfer_params["remote_block_ids"]
+    return p.tokens(list(ids[0] if isinstance(ids[0], list) else ids), n)
+
+
+def held_back(d, req_id) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    request = d.sched.requests[req_id]
+    return (request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
+            and req_id in d.connector._decode.claiming
+            and req_id not in d.connector._decode.pending)
+
+
+def step_until_scheduled(d, req_id, timeout_steps=2000):
+    """Step D until a step schedules ``req_id``; that step's scheduler output."""
+    import time
+
+    for _ in range(timeout_steps):
+        out = d.step()
+        if req_id in out.num_scheduled_tokens:
+            return out
+        time.sleep(0.002)
+    raise AssertionError(f"D never scheduled {req_id}")
+
+
+def test_a_decode_leg_sent_before_p_answered_loads_in_the_step_that_schedules_it(
+        staged_env, ipc, sync_loads, claims, shut_down):
+    """D's scheduler claims, holds the request back while P has not prefilled it, and
+    once P staged it the step that schedules it loads it (synchronously, its exact KV)
+    and yields its first token; D's worker claims nothing for it, P gets no per-block
+    WRITE and frees the extent and blocks on D's DONE."""
+    p, d = mapped_pair(shut_down, (61, 62))
+    writes = watch_per_block_writes(p)
+    prompt = list(range(200, 261))
+    d.sched.add_request(pd.decode_request("c1", prompt, concurrent_params(p, "c1")))
+    for _ in range(5):
+        d.step()
+    assert held_back(d, "c1"), "D allocated the request before P had staged it"
+    p.sched.add_request(pd.prefill_request("c1", prompt))
+    assert pd.run([p], lambda: "c1" in p.outputs)
+    want = p_kv(p, "c1", len(prompt))
+    step_until_scheduled(d, "c1")
+    assert "c1" in d.outputs, "the step that scheduled it yielded no token"
+    assert sync_loads == ["c1"]
+    assert_same_kv(want, d.tokens(d.blocks_of("c1"), len(prompt)), len(prompt))
+    scheduler_claims = [r for c, r in claims if c is d.connector._decode.claims]
+    assert scheduler_claims == ["c1"]
+    assert [r for c, r in claims if c is not d.connector._decode.claims] == ["c0"], \
+        "D's worker claimed the request too"
+    assert saw_done(p, d, "c1"), "D's DONE never reached P"
+    assert not writes, "P started vLLM's per-block push WRITE"
+    assert settled(p, d) and reads_left(d) == 0
+    assert not d.connector._decode.claiming and not d.connector._decode.replies
+
+
+def test_a_claim_p_answers_gone_fails_that_load_alone(staged_env, ipc, sync_loads, claims,
+                                                      shut_down, caplog):
+    """P answers D's scheduler "gone" (it released the request, or a claim named another
+    request's id): that request's load fails (its blocks reported invalid), D lives,
+    and the next request loads synchronously and exactly."""
+    caplog.set_level(logging.ERROR, logger="kvcached_pd")
+    p, d = mapped_pair(shut_down, (63, 64))
+    pd.wrap_method(p.connector._prefill.board, "answer", lambda real, claim, now=None: (
+        ClaimReply(claim.key, "gone", reason="released by the test") if claim.key == "c2"
+        else real(claim, now)))
+    errors = pd.record_load_errors(d)
+    d.sched.add_request(pd.decode_request("c2", PROMPT, concurrent_params(p, "c2")))
+    p.sched.add_request(pd.prefill_request("c2", PROMPT))
+    assert pd.run([p, d], lambda: "c2" in d.outputs and d.outputs["c2"].finished), \
+        "D never ended the request"
+    assert errors, "D's load of a request P answered gone did not fail"
+    assert "released by the test" in caplog.text
+    assert "c2" not in sync_loads
+    prompt = list(range(300, 340))
+    both_legs(p, d, "c3", prompt)
+    assert sync_loads == ["c3"]
+    assert settled(p, d) and reads_left(d) == 0
+    assert not d.connector._decode.claiming
+
+
+def test_a_decode_abort_while_the_claim_waits_leaves_nothing(staged_env, ipc, sync_loads,
+                                                              claims, shut_down):
+    """The client aborts the decode leg while D's scheduler waits for P's answer: the
+    claim is given up, D holds nothing of it, P frees the extent at its lease (no READ
+    came), and the next request still loads synchronously."""
+    from vllm.v1.request import RequestStatus
+
+    p, d = mapped_pair(shut_down, (65, 66))
+    d.sched.add_request(pd.decode_request("c4", PROMPT, concurrent_params(p, "c4")))
+    for _ in range(5):
+        d.step()
+    assert held_back(d, "c4")
+    d.sched.finish_requests("c4", RequestStatus.FINISHED_ABORTED)
+    assert not d.connector._decode.claiming and "c4" not in d.sched.requests
+    p.sched.add_request(pd.prefill_request("c4", PROMPT))
+    assert pd.run([p, d], lambda: "c4" in p.outputs)
+    both_legs(p, d, "c5", list(range(400, 450)))
+    assert sync_loads == ["c5"]
+    assert not d.connector._decode.replies and reads_left(d) == 0
+    # P's extent of c4 goes at P's lease (push mode: nobody READs it)
+    from tests.test_connector_push import LEASE_S
+    assert pd.run([p, d], lambda: not p.sched.requests and not p.connector._prefill.staged,
+                  timeout_s=LEASE_S + 10), "P never freed the aborted request's extent"
