@@ -29,6 +29,12 @@
 #          COLO_KILLS (default "decode prefill"): the roles killed, in order, the part's
 #          time split evenly among them (2026-11-26: half of 560 s held kill D in pull
 #          mode only; COLO_KILLS=decode gives it the whole part).
+#   PART f (~6 min): UCX faults (tiny 64/16, one repeat): experiments/ucx_fault's
+#          injector preloaded into P and D fails every 8th UCX operation it hooks, on both
+#          sides: vanilla PD, kvcached-pd pull and push on the default wire (CUDA IPC: the
+#          faults reach only the NIXL notifications) and pull with KVCACHED_PD_WIRE=nixl
+#          (the faults reach the READs too); D must stay alive and every completed output
+#          equal the reference.
 # Every staged pair must name its wire in D's log ("kvcached-pd: staged peer ... wire ipc";
 # --expect-wire ipc), with no IPC->NIXL fallback, except staged-nixl (forced nixl). A mode
 # whose servers do not start is reported by its harness with the reason (the other modes
@@ -47,10 +53,10 @@
 # PART-RUN.tar.gz (its whole tree, logs included) with RUN-summary.txt (part e's probes:
 # e-probe.tar.gz, their JSON also printed to e.log). At most 8 files.
 set -uo pipefail
-USAGE="usage: run_colocated_on_host.sh OUT a|b|c|d|e"
+USAGE="usage: run_colocated_on_host.sh OUT a|b|c|d|e|f"
 OUT=${1:?$USAGE}
 PART=${2:?$USAGE}
-case "$PART" in a|b|c|d|e) ;; *) echo "unknown part '$PART'; $USAGE" >&2; exit 2 ;; esac
+case "$PART" in a|b|c|d|e|f) ;; *) echo "unknown part '$PART'; $USAGE" >&2; exit 2 ;; esac
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
 DRY=${COLO_DRY_RUN:-0}
@@ -149,6 +155,12 @@ e)
       --kill-at-s 1 --expect-wire ipc "${GPU_ARGS[@]}"
     n=$(( n - 1 ))
   done
+  ;;
+f)
+  traffic ucxfault $(( $(left) - 25 )) --model "$TINY" \
+    --modes vanilla,kvpd-staged,kvpd-push,kvpd-staged-nixl --push-concurrent --repeats 1 \
+    --ucx-fault-lib kvpd --ucx-fault-on both --ucx-fault-every 8 --expect-wire ipc \
+    "${GPU_ARGS[@]}"
   ;;
 esac
 [ "$DRY" = 1 ] && exit 0

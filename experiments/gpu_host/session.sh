@@ -29,12 +29,12 @@
 #                and the client aborts x3
 #       colo-b   the loads (timings: GPU 1 is alone, the host's CPUs are shared with lane T)
 #     lane X, once T and C are done, P on GPU 0 and D on GPU 1:
-#       cross-a  run_colocated_on_host.sh part a across the two GPUs (cross-b .. cross-e:
+#       cross-a  run_colocated_on_host.sh part a across the two GPUs (cross-b .. cross-f:
 #                parts b to e across them, in a SESSION_PLAN)
 #   with one GPU: one lane, in the order handoff, ab21, serve, colo-c, colo-d, colo-a,
 #     colo-b, serve-cap (every step alone on the GPU).
 #   colo-e (either plan: not by default) run_colocated_on_host.sh part e: kill D, then P,
-#     mid-load.
+#     mid-load; colo-f, cross-f: part f, UCX faults.
 # SESSION_PLAN replaces the plan: lanes separated by ';', each "NAME STEP..." (a lane named X
 # runs once the others are done), e.g. "T ab21 serve;C colo-b;X cross-a@033". A step named
 # STEP@TAG runs with the venv ${SESSION_VENV_ROOT:-/tmp}/vTAG first on PATH (another vLLM,
@@ -65,7 +65,7 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a|cross-a) echo 5 ;;
     colo-c|cross-c) echo 7 ;; colo-d|cross-d) echo 5 ;; colo-b|cross-b) echo 9 ;;
-    colo-e|cross-e) echo 8 ;; *) echo 5 ;;
+    colo-e|cross-e) echo 8 ;; colo-f|cross-f) echo 6 ;; *) echo 5 ;;
   esac
 }
 
@@ -105,10 +105,10 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
     colo-d) echo "KVPD_GPUS='$LANE_GPU $LANE_GPU'" \
                  "COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
                  "bash experiments/run_colocated_on_host.sh $w d" ;;
-    colo-e) echo "KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w e" ;;
+    colo-[ef]) echo "KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w ${step#colo-}" ;;
     cross-d) echo "KVPD_GPUS='0 1' COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
                   "bash experiments/run_colocated_on_host.sh $w d" ;;
-    cross-[abce]) echo "KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w ${step#cross-}" ;;
+    cross-[abcef]) echo "KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w ${step#cross-}" ;;
   esac
 }
 

@@ -316,7 +316,7 @@ def test_every_part_parses_with_the_harnesses_own_parsers(tmp_path, models):
     """Each command of each part, as the host would run it, parsed by its harness: a typo
     here would cost a host session."""
     seen = {}
-    for part in "abcde":
+    for part in "abcdef":
         cmds = _dry_run(tmp_path, part, **models)
         assert cmds, part
         outputs = 0
@@ -364,6 +364,10 @@ def test_every_part_parses_with_the_harnesses_own_parsers(tmp_path, models):
     killd, killp = seen["e"]
     assert (killd.kill, killp.kill) == ("decode", "prefill") and killd.kill_at_s == 1
     assert killd.modes == killp.modes == ["kvpd-staged", "kvpd-push"]
+    (faults,) = seen["f"]
+    assert (faults.ucx_fault_lib, faults.ucx_fault_on, faults.ucx_fault_every) == (
+        "kvpd", "both", 8)
+    assert faults.modes == ["vanilla", "kvpd-staged", "kvpd-push", "kvpd-staged-nixl"]
 
 
 def test_part_e_kills_the_roles_asked_for_with_the_parts_whole_time(tmp_path, models):
