@@ -56,6 +56,25 @@ def test_staged_handoff_moves_every_token_exactly(staged_env):
         "P's blocks were never freed"
 
 
+def test_a_prompt_whose_last_chunk_needs_no_new_block_is_packed(staged_env):
+    """Chunked prefill: 33 of a 40-token prompt's tokens in the first step take all
+    three of its 16-token blocks, so the step that completes the prompt allocates none
+    (vLLM hands the connector ``None`` for that step's new blocks). P must still pack
+    it: before, P skipped that step, never packed the request and ended it "without
+    packing its KV" (push: D's claim answered gone, the request failed; seen on the GPU,
+    1 of 64 requests of a tiny load, 2026-11-26)."""
+    p = pd.make_engine("p", "kv_producer", seed=3)
+    d = pd.make_engine("d", "kv_consumer", seed=4)
+    p.sched.max_num_scheduled_tokens = 33
+    p.sched.scheduler_config.max_num_batched_tokens = 33
+    prompt = list(range(5, 45))
+    params, p_blocks, d_blocks = handoff(p, d, "r1", prompt)
+    assert PARAMS_KEY in params, "P ended the request without packing it"
+    want, got = p.tokens(p_blocks, len(prompt)), d.tokens(d_blocks, len(prompt))
+    assert all(torch_equal(a, b) for a, b in zip(want, got))
+    assert settle(p, d)
+
+
 def loaded(engine, req_id: str) -> bool:
     """D's request is past its load (its blocks hold the prompt's KV) and not freed."""
     from vllm.v1.request import RequestStatus

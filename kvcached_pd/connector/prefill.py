@@ -143,12 +143,15 @@ class PrefillScheduler:
         slot = self.pack_steps % NUM_PACK_EVENTS
         num_scheduled = scheduler_output.num_scheduled_tokens or {}
         for req_id, new_block_id_groups, full_table in yield_req_data(scheduler_output):
-            if req_id not in self.blocks or new_block_id_groups is None:
+            if req_id not in self.blocks:
                 continue
             ids = self.blocks[req_id]
-            if full_table:  # resumed after preemption (or new): the whole table follows
-                ids.clear()
-            ids.extend(new_block_id_groups[0])
+            # None: this step allocated no block (a last chunk that fits the blocks
+            # taken already), yet it may complete the prompt
+            if new_block_id_groups is not None:
+                if full_table:  # resumed after preemption (or new): the whole table follows
+                    ids.clear()
+                ids.extend(new_block_id_groups[0])
             req = self.requests[req_id]
             if req.num_computed_tokens + num_scheduled.get(req_id, 0) < req.num_prompt_tokens:
                 continue  # a later chunk completes the prompt
