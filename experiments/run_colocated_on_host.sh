@@ -46,7 +46,7 @@
 # Environment: KVPD_GPUS="P D" (default "0 0": both on GPU 0; on two GPUs D sees "D,P"
 #   unless KVPD_D_SEES_P=0), COLO_BUDGET_S (a part's
 #   seconds, default 560), COLO_ABORT_REPEATS (part d, default 5), TINY_MODEL=/tmp/tiny,
-#   KVBIG_MODEL=/tmp/kvbig, KVCACHED_PD_FROM=checkout (this checkout first on PYTHONPATH)
+#   KVBIG_MODEL=/tmp/kvbig, COLO_PORT_BASE (the harnesses' ports: below), KVCACHED_PD_FROM=checkout (this checkout first on PYTHONPATH)
 #   | installed, COLO_DRY_RUN=1 (print each harness command instead of running it: the
 #   offline tests check every part's arguments with the harnesses' own parsers).
 # OUT gets: commit.txt, PART.log, install.log (when the install ran), and per run
@@ -81,6 +81,15 @@ read -r P_GPU D_GPU <<< "${KVPD_GPUS:-0 0}"
 D_VISIBLE=$D_GPU
 if [ "$P_GPU" != "$D_GPU" ] && [ "${KVPD_D_SEES_P:-1}" = 1 ]; then D_VISIBLE="$D_GPU,$P_GPU"; fi
 GPU_ARGS=(--prefill-gpu "$P_GPU" --decode-gpu "$D_VISIBLE")
+# COLO_PORT_BASE: the harnesses' HTTP ports from there, side channels from +200, proxies
+# from +400 (unset: their defaults). Two parts started at once on one host with the same
+# defaults pick the same free ports, and a harness then takes the other's servers for its
+# own (2026-11-26: lane C's aborts run sent its requests to lane T's kvbig servers).
+PORT_ARGS=()
+if [ -n "${COLO_PORT_BASE:-}" ]; then
+  PORT_ARGS=(--port-base "$COLO_PORT_BASE" --side-channel-port-base $((COLO_PORT_BASE + 200))
+             --proxy-port-base $((COLO_PORT_BASE + 400)))
+fi
 
 run() {  # run a harness, or with COLO_DRY_RUN=1 print it
   if [ "$DRY" = 1 ]; then printf 'DRY:'; printf ' %q' "$@"; echo; return 0; fi
@@ -89,7 +98,7 @@ run() {  # run a harness, or with COLO_DRY_RUN=1 print it
 traffic() {  # traffic NAME BUDGET_S pd_load-options...: one pd_load run, packed into $W/NAME
   local name=$1 budget=$2
   shift 2
-  run env TRAFFIC_BUDGET_S="$budget" bash "$HERE/traffic.sh" "$W/$name" "$@"
+  run env TRAFFIC_BUDGET_S="$budget" bash "$HERE/traffic.sh" "$W/$name" "$@" "${PORT_ARGS[@]}"
   echo "rc $name=$?"
 }
 
@@ -131,7 +140,7 @@ c)
     staged-contiguous push-contiguous kvcached-pd-staged push mixed-p mixed-d blocksize \
     negative --model "$TINY" --parallel 2 --push-concurrent --expect-wire ipc \
     --deadline-s $(( $(left) - 35 )) --extra-serve-args=--enable-prefix-caching \
-    "${GPU_ARGS[@]}" --single-gpu "$P_GPU"
+    "${GPU_ARGS[@]}" --single-gpu "$P_GPU" "${PORT_ARGS[@]}"
   echo "rc equivalence=$?"
   ;;
 d)

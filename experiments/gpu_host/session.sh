@@ -73,6 +73,11 @@ lane_gpu() {  # lane_gpu LANE: the GPU a lane's colocated steps use (C: GPU 1 wi
   if [ "$1" = C ]; then echo "$LANE_C_GPU"; else echo 0; fi
 }
 
+lane_ports() {  # lane_ports LANE: the port base of a lane's colocated harnesses (C: its
+  # own, so that two lanes' harnesses started at once never pick the same free ports)
+  if [ "$1" = C ]; then echo "COLO_PORT_BASE=23000 "; fi
+}
+
 step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the session's repo
   # (LANE_GPU: the GPU of the lane that runs it, lane_gpu)
   local step=${1%@*} w=$2
@@ -100,12 +105,12 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
                 "--kvcached-env KVCACHED_MAX_CACHED_TOKENS=200000" \
                 "--prefill-gpu 0 --decode-gpu 0 --deadline-s 420 --port-base 22000" ;;
     colo-a) echo "KVPD_GPUS='0 0' bash experiments/run_colocated_on_host.sh $w a" ;;
-    colo-b) echo "KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w b" ;;
-    colo-c) echo "KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w c" ;;
-    colo-d) echo "KVPD_GPUS='$LANE_GPU $LANE_GPU'" \
+    colo-b) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w b" ;;
+    colo-c) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w c" ;;
+    colo-d) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU'" \
                  "COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
                  "bash experiments/run_colocated_on_host.sh $w d" ;;
-    colo-[ef]) echo "KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w ${step#colo-}" ;;
+    colo-[ef]) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w ${step#colo-}" ;;
     cross-d) echo "KVPD_GPUS='0 1' COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
                   "bash experiments/run_colocated_on_host.sh $w d" ;;
     cross-[abcef]) echo "KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w ${step#cross-}" ;;
@@ -114,8 +119,9 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
 
 run_step() {  # run_step LANE STEP: one step inside the session's deadline
   local lane=$1 step=$2 w=$S/work/$2 left need t0 rc venv="" path=$PATH
-  local LANE_GPU
+  local LANE_GPU LANE_PORTS
   LANE_GPU=$(lane_gpu "$lane")
+  LANE_PORTS=$(lane_ports "$lane")
   need=$(( $(est "$step") * 60 ))
   if [[ "$step" == *@* ]]; then  # another vLLM's venv: wait until its install is done
     venv=${SESSION_VENV_ROOT:-/tmp}/v${step#*@}
@@ -177,6 +183,7 @@ start|dry)
   if [ "$ACTION" = dry ]; then
     plan | while read -r name steps; do
       LANE_GPU=$(lane_gpu "$name")
+      LANE_PORTS=$(lane_ports "$name")
       for s in ${steps//+/ }; do echo "$name $s: $(step_cmd "$s" "$S/work/$s")"; done
     done
     exit 0

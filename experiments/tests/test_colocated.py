@@ -384,6 +384,19 @@ def test_part_e_kills_the_roles_asked_for_with_the_parts_whole_time(tmp_path, mo
     assert alone > 500 and 230 < first < 280 and second > 500  # dry runs take no time
 
 
+def test_a_port_base_reaches_every_harness_of_a_part(tmp_path, models):
+    for part in "bcdef":
+        for argv in _dry_run(tmp_path, part, COLO_PORT_BASE="23000", **models):
+            if any(x.endswith("traffic.sh") for x in argv):
+                a = pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]])
+            elif any(x.endswith("equivalence.sh") for x in argv):
+                a = equivalence.parse_args(_after(argv, "equivalence.sh"))
+            else:
+                continue
+            assert (a.port_base, a.side_channel_port_base, a.proxy_port_base) == (
+                23000, 23200, 23400), (part, argv)
+
+
 def test_other_gpus_and_unknown_parts(tmp_path, models):
     # two GPUs: D sees its own first and P's second (the IPC wire needs P's GPU visible)
     (cmd,) = _dry_run(tmp_path, "a", KVPD_GPUS="0 1", **models)

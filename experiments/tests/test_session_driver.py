@@ -120,3 +120,6 @@ def test_a_colocated_step_runs_on_its_own_lanes_gpu(tmp_path):
     lines = {line.split(":")[0]: line for line in r.stdout.splitlines()}
     assert "KVPD_GPUS='0 0'" in lines["T colo-e"] and "KVPD_GPUS='0 0'" in lines["T colo-d"]
     assert "KVPD_GPUS='1 1'" in lines["C colo-e"] and "KVPD_GPUS='1 1'" in lines["C colo-b"]
+    # lane C's harnesses get ports of their own (2026-11-26: lane C's aborts run, started
+    # with lane T's kvbig load, picked the same free ports and sent its requests there)
+    assert "COLO_PORT_BASE=23000" in lines["C colo-b"] and "COLO_PORT_BASE" not in lines["T colo-d"]
