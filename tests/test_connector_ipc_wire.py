@@ -8,8 +8,10 @@ import copy
 import dataclasses
 import logging
 import time
+import types
 
 import pytest
+import torch
 
 from kvcached_pd import vllm_api
 from kvcached_pd.connector import decode as decode_mod
@@ -403,14 +405,19 @@ def test_the_unmap_says_how_much_of_the_gpus_memory_came_back(
     reads = []
     free = iter([10 << 30, 12 << 30])
 
-    def free_bytes(tensor):
-        reads.append(tensor)
+    def free_bytes(device):
+        reads.append(device)
         return next(free)
     monkeypatch.setattr(decode_mod, "_free_bytes", free_bytes)
     p = pd.make_engine("p", "kv_producer", seed=29)
     d = pd.make_engine("d", "kv_consumer", seed=30)
     handoff(p, d, "r1", list(range(11, 50)))
     worker = d.worker._decode_worker
+    # P's staging on a device of its own, as across two GPUs (the fake maps P's CPU
+    # tensor, on D's device): the figure must come from P's, not from D's
+    wire = wire_of(d)
+    wire.mapped = types.SimpleNamespace(tensor=torch.empty(0, device="meta"))
+    device = torch.device("meta")
     worker._unmap_idle_peers()
     assert reads == [], "the GPU's memory was read with nothing to unmap"
     worker.idle_unmap_s = 0.3
@@ -418,7 +425,8 @@ def test_the_unmap_says_how_much_of_the_gpus_memory_came_back(
     while worker._peers and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not worker._peers, "the idle peer stayed mapped"
-    assert len(reads) == 2
+    # the GPU holding P's staging (across two GPUs not D's own), read around the drop
+    assert reads == [device] * 2
     assert "staging after 0 s without requests (its next request maps it again); the " \
            "GPU's free memory rose by 2048 MiB" in caplog.text
 

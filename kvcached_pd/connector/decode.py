@@ -947,25 +947,27 @@ class DecodeWorker:
         dead P's staging allocated on the GPU. The log line says how much of the GPU's
         memory came back with it (only a dead P's staging does: a live P still holds
         its own): on 2 x H200 (2026-11-26) a killed P's 2 GiB came back at the unmap in
-        push mode and had not 17 s after it in pull mode, which this figure tells apart
-        from a drop that never happened."""
+        push mode ("rose by 2048 MiB") and not in pull mode ("rose by 0 MiB": something
+        else in a pull-mode D still holds it), read on the GPU of P's staging."""
         now = time.monotonic()
+        dropped = []  # (wire, P's GPU's free memory before the drop and after it)
         with self._lock:
             wires = [(key, future.result()) for key, future in self._peers.items()
                      if future.done() and future.exception() is None]
-            if not any(wire.is_idle(self.idle_unmap_s, now) for _, wire in wires):
-                return
-            before = _free_bytes(self.region.buffer.tensor)
-            idle = []
             for key, wire in wires:
+                if not wire.is_idle(self.idle_unmap_s, now):
+                    continue
+                # the GPU holding P's staging: D's own, or P's across GPUs (2026-11-26:
+                # reading D's GPU across two of them said 0 MiB whatever came back)
+                device = wire.device
+                before = _free_bytes(device)
                 if wire.close_if_idle(self.idle_unmap_s, now):
                     del self._peers[key]
                     self.ipc_news[key] = False
-                    idle.append(wire)
-        after = _free_bytes(self.region.buffer.tensor) if idle else None
-        freed = ("" if before is None or after is None else
-                 f"; the GPU's free memory rose by {(after - before) / (1 << 20):.0f} MiB")
-        for wire in idle:
+                    dropped.append((wire, before, _free_bytes(device)))
+        for wire, before, after in dropped:
+            freed = ("" if before is None or after is None else
+                     f"; the GPU's free memory rose by {(after - before) / (1 << 20):.0f} MiB")
             logger.info("kvcached-pd: unmapped prefill %s rank %d's staging after %.0f s "
                         "without requests (its next request maps it again)%s",
                         wire.handshake.engine_id, wire.handshake.tp_rank, self.idle_unmap_s,
@@ -1257,12 +1259,12 @@ class DecodeWorker:
             self._claims.close()
 
 
-def _free_bytes(tensor: torch.Tensor) -> int | None:
-    """The free memory of ``tensor``'s GPU (None on the CPU, or when it cannot be read)."""
-    if not tensor.is_cuda:
+def _free_bytes(device: torch.device | None) -> int | None:
+    """The free memory of a GPU (None on the CPU, or when it cannot be read)."""
+    if device is None or device.type != "cuda":
         return None
     try:
-        return int(torch.cuda.mem_get_info(tensor.device)[0])
+        return int(torch.cuda.mem_get_info(device)[0])
     except Exception:  # noqa: BLE001 - only a log line's figure
         return None
 

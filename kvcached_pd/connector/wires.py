@@ -132,6 +132,12 @@ class IpcWire(_Wire):
             self.users -= 1
             self.last_used = time.monotonic()
 
+    @property
+    def device(self) -> Any:
+        """The GPU holding P's staging, as this process numbers it (None once dropped)."""
+        mapped = self.mapped
+        return mapped.tensor.device if mapped is not None else None
+
     def is_idle(self, idle_s: float, now: float) -> bool:
         """Whether :meth:`close_if_idle` would drop the mapping now."""
         with self._lock:
