@@ -8,7 +8,7 @@
 # folders of at most FOLDER_MIB: the host accepts 64 MiB per command, and the checkout
 # travels with every upload.
 #
-# usage: [VLLM_VERSION=0.26.0] [PART_MIB=50] [FOLDER_MIB=50] make_upload.sh OUT_DIR
+# usage: [VLLM_VERSION=0.26.0] [PART_MIB=40] [FOLDER_MIB=40] make_upload.sh OUT_DIR
 #   -> OUT_DIR/up1 .. OUT_DIR/upN, each with MANIFEST.sha256, SPLIT.sha256 and LAYOUT.txt
 # OUT_DIR is replaced; keep it inside the checkout but ignored (e.g. .gpu, which .gitignore
 # ignores, or a folder named in .git/info/exclude).
@@ -20,10 +20,11 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VLLM=${VLLM_VERSION:-0.26.0}
 REQS="$HERE/host-requirements-vllm-$VLLM.txt"
 [ -f "$REQS" ] || { echo "no $REQS: only vLLM versions with a requirements list are supported" >&2; exit 2; }
-# 54 + the checkout (about 8 MiB in 2026-11) stays under the 64 MiB a command takes:
-# lower both when the checkout grows.
-PART_MIB=${PART_MIB:-50}     # parts of the wheels larger than a folder
-FOLDER_MIB=${FOLDER_MIB:-50} # each upload folder
+# A folder + the checkout stays under the 64 MiB a command takes (the checkout was 8 MiB
+# early in 2026-11 and 17 MiB on 2026-11-26, when 50 MiB folders no longer fit): lower
+# both when the checkout grows (the warning below says when).
+PART_MIB=${PART_MIB:-40}     # parts of the wheels larger than a folder
+FOLDER_MIB=${FOLDER_MIB:-40} # each upload folder
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
