@@ -313,14 +313,22 @@ def test_the_corruption_control_inverts_a_windows_kv_not_its_tag(staged_env, mon
             engine.worker.shutdown()
 
 
-def test_claimed_requests_move_only_what_d_lacks(staged_env, monkeypatch, moved):
+@pytest.mark.parametrize("wire", ["nixl", "ipc"])
+def test_claimed_requests_move_only_what_d_lacks(staged_env, monkeypatch, moved, wire):
     """Push mode with concurrent legs: D allocates before P answered and claims the
     params from P's listener; a partial hit then READs only the window, and a full hit
-    (after P answered the claim) sends the DONE alone."""
+    (after P answered the claim) sends the DONE alone. On the IPC wire, once the first
+    request has mapped P, D's scheduler claims and the partial hit loads synchronously,
+    unpacking only the window out of P's memory."""
+    from kvcached_pd.connector import decode as decode_mod
     from tests.test_connector_pd import loaded
     from tests.test_connector_push_concurrent import concurrent_params
 
-    p, d = engines(monkeypatch, PUSH, 16, "nixl", seed=91)
+    p, d = engines(monkeypatch, PUSH, 16, wire, seed=91)
+    sync_loads = []
+    post_now = decode_mod.DecodeWorker._post_now
+    monkeypatch.setattr(decode_mod.DecodeWorker, "_post_now", lambda self, req_id, read: (
+        sync_loads.append(req_id) or post_now(self, req_id, read)))
 
     def legs(req_id, prompt):
         d.sched.add_request(pd.decode_request(req_id, prompt, concurrent_params(p, req_id),
@@ -341,7 +349,12 @@ def test_claimed_requests_move_only_what_d_lacks(staged_env, monkeypatch, moved)
         legs("first", FIRST)
         assert settled(p, d)
         params, want, got = legs("second", SECOND)
-        assert moved["read"]["second"] == window(d, params, SHARED)
+        hit = window(d, params, SHARED)
+        if wire == "nixl":
+            assert moved["read"]["second"] == hit
+        else:
+            assert not moved["read"] and sync_loads == ["second"]
+        assert moved["unpack"][-1] == (hit[1], SHARED), "D unpacked more than it lacks"
         for layer in range(pd.LAYERS):
             assert torch.equal(got[layer][:, SHARED:], want[layer][:, SHARED:])
         assert settled(p, d)
