@@ -161,3 +161,25 @@ def test_a_decode_abort_while_the_claim_waits_leaves_nothing(staged_env, ipc, sy
     from tests.test_connector_push import LEASE_S
     assert pd.run([p, d], lambda: not p.sched.requests and not p.connector._prefill.staged,
                   timeout_s=LEASE_S + 10), "P never freed the aborted request's extent"
+
+
+def test_a_claim_p_never_answers_fails_that_load_after_ds_lease(staged_env, ipc, sync_loads,
+                                                                claims, shut_down, caplog):
+    """The decode leg names a request P never receives (its prefill leg was lost): P's
+    listener answers "pending" for good, D's scheduler holds the request back for its KV
+    lease and then fails that load, never waiting longer; D lives and serves the next."""
+    from tests.test_connector_push import LEASE_S
+
+    caplog.set_level(logging.ERROR, logger="kvcached_pd")
+    p, d = mapped_pair(shut_down, (67, 68))
+    errors = pd.record_load_errors(d)
+    d.sched.add_request(pd.decode_request("lost", PROMPT, concurrent_params(p, "lost")))
+    for _ in range(5):
+        d.step()
+    assert held_back(d, "lost")
+    assert pd.run([p, d], lambda: "lost" in d.outputs and d.outputs["lost"].finished,
+                  timeout_s=LEASE_S + 10), "D held the request back past its lease"
+    assert errors and "had not staged it within this instance's KV lease" in caplog.text
+    both_legs(p, d, "c6", list(range(600, 640)))
+    assert sync_loads == ["c6"]
+    assert not d.connector._decode.claiming and reads_left(d) == 0
