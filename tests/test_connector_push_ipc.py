@@ -183,3 +183,28 @@ def test_a_claim_p_never_answers_fails_that_load_after_ds_lease(staged_env, ipc,
     both_legs(p, d, "c6", list(range(600, 640)))
     assert sync_loads == ["c6"]
     assert not d.connector._decode.claiming and reads_left(d) == 0
+
+
+def test_a_claimed_request_vllm_cannot_allocate_yet_keeps_its_claim(
+        staged_env, ipc, sync_loads, claims, shut_down):
+    """D's KV cache has no room for a request whose params D's scheduler already
+    claimed: vLLM leaves it waiting and asks again next step. The claim P answered
+    stands (P answers each claim once: a second claim would be refused "claimed
+    already" and fail the load); the request loads synchronously once there is room."""
+    p, d = mapped_pair(shut_down, (69, 70))
+    manager = d.sched.kv_cache_manager
+    refused = []
+
+    def allocate_slots(real, request, *args, **kwargs):
+        if request.request_id == "c7" and len(refused) < 3:
+            refused.append(request.request_id)
+            return None  # no room this step, as with a full KV cache
+        return real(request, *args, **kwargs)
+    pd.wrap_method(manager, "allocate_slots", allocate_slots)
+    both_legs(p, d, "c7", list(range(700, 750)))
+    assert len(refused) == 3, "vLLM never met the full cache"
+    assert sync_loads == ["c7"], "the request did not load synchronously once there was room"
+    assert [r for c, r in claims if c is d.connector._decode.claims] == ["c7"], \
+        "D claimed the request again"
+    assert settled(p, d) and reads_left(d) == 0
+    assert not d.connector._decode.claiming and not d.connector._decode.claimed

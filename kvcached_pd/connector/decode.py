@@ -276,10 +276,13 @@ class DecodeScheduler:
     secret: bytes | None = None  # proves this D to P's listener (side_channel.sign)
     claim_timeout_s: float = 5.0  # a claim listener silent this long past its hold is gone
     # push mode, concurrent legs, an IPC peer: the scheduler claims the params itself
-    # (_claim_now), request id -> (target, when claimed), and the replies taken
+    # (_claim_now), request id -> (target, when claimed), the replies taken, and each
+    # answered claim's outcome until vLLM allocates the request (or ends it)
     claims: ClaimClient | None = None
     claiming: dict[str, tuple[ClaimTarget, float]] = field(default_factory=dict)
     replies: dict[str, ClaimReply | Exception] = field(default_factory=dict)
+    claimed: dict[str, tuple[StagedParams | None, float | None, str]] = field(
+        default_factory=dict)
     pending: dict[str, _Pending] = field(default_factory=dict)
     orders: dict[str, RecvOrder] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
@@ -412,8 +415,12 @@ class DecodeScheduler:
         vLLM's asynchronous scheduling adds one more: the two steps the pull path's
         synchronous loads took out (15-18 ms each under load on one H200). None while P
         has not answered; else (params, the READ's deadline, "") or (None, None, why the
-        load fails): the worker fails it as a failed claim of its own."""
+        load fails): the worker fails it as a failed claim of its own. The outcome is kept
+        until vLLM allocates the request: with no room in D's KV cache vLLM asks again
+        next step, and P answers a claim once (a second one is refused)."""
         req_id = request.request_id
+        if req_id in self.claimed:
+            return self.claimed[req_id]
         now = time.monotonic()
         if req_id not in self.claiming:
             if self.claims is None:
@@ -431,21 +438,25 @@ class DecodeScheduler:
             if now - since <= self.lease_s:
                 return None
             self.claims.cancel(req_id)
-            del self.claiming[req_id]
-            return None, None, (f"prefill {target.engine_id} had not staged it within this "
-                                "instance's KV lease")
+            outcome = (None, None, f"prefill {target.engine_id} had not staged it within "
+                       "this instance's KV lease")
+        elif isinstance(reply, Exception):
+            outcome = None, None, f"claim from {target.engine_id}: {reply}"
+        else:
+            try:
+                params, age_s = read_claim_reply(target, reply, self.digest,
+                                                 self.capacity_bytes,
+                                                 len(request.prompt_token_ids or ()))
+            except WireError as exc:
+                outcome = None, None, str(exc)
+            else:
+                trace("claim_answered", req_id, age_ms=round(1e3 * age_s, 3),
+                      remote_req=params.request_id, by="scheduler")
+                # P's lease began when P staged it, age_s ago: D never READs after half
+                outcome = params, now + params.lease_s / 2 - age_s, ""
         del self.claiming[req_id]
-        if isinstance(reply, Exception):
-            return None, None, f"claim from {target.engine_id}: {reply}"
-        try:
-            params, age_s = read_claim_reply(target, reply, self.digest, self.capacity_bytes,
-                                             len(request.prompt_token_ids or ()))
-        except WireError as exc:
-            return None, None, str(exc)
-        trace("claim_answered", req_id, age_ms=round(1e3 * age_s, 3),
-              remote_req=params.request_id, by="scheduler")
-        # P's lease began when P staged it, age_s ago: D never READs after half of it
-        return params, now + params.lease_s / 2 - age_s, ""
+        self.claimed[req_id] = outcome
+        return outcome
 
     def on_wires(self, ipc_peers: dict[tuple[str, str, int, int], bool]) -> None:
         """The workers' news of their peers' wires (``WorkerReport.ipc_peers``)."""
@@ -497,6 +508,7 @@ class DecodeScheduler:
         entry = self.pending.get(request.request_id)
         if entry is None:
             return False
+        self.claimed.pop(request.request_id, None)  # allocated: never asked again
         if entry.full_hit:
             return self._notify_only(request, entry)
         if num_external_tokens <= 0:
@@ -630,6 +642,7 @@ class DecodeScheduler:
 
     def on_request_finished(self, request: Any) -> None:
         self.computing.discard(request.request_id)
+        self.claimed.pop(request.request_id, None)
         if self.claiming.pop(request.request_id, None) is not None:
             # held back for its claim (never allocated): P's lease frees its extent, as
             # for a push-mode request aborted before its READ
