@@ -24,6 +24,12 @@ from kvcached_pd import vllm_api
 from tests.support import vllm_nixl_worker as vw
 
 HEADS, HEAD_DIM, LAYERS = 2, 64, 3
+# D's wait for P's staged handshake here, where P and D share one process and one GIL: a
+# NIXL call that holds the GIL while UCX retries a connection (vLLM's own handshake
+# thread, ~6 s once on CI's 2 busy cores) keeps P's listener thread from answering; the
+# product's 5 s is for P in a process of its own. Tests that never expect a handshake
+# to time out cannot tell the two apart.
+IN_PROCESS_HANDSHAKE_TIMEOUT_S = 30.0
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 MODULE_PATH = "kvcached_pd.connector"
 
@@ -221,6 +227,9 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
                 getattr(sched.get_kv_connector(), setter)({key: handshake})
     finally:
         os.sched_setaffinity(0, affinity)
+    decode_worker = getattr(worker, "_decode_worker", None)
+    if decode_worker is not None:
+        decode_worker.handshake_timeout_s = IN_PROCESS_HANDSHAKE_TIMEOUT_S
     engine = Engine(name, sched, worker, caches, block_size, port,
                     block_hasher=_block_hasher(config, block_size) if prefix_caching else None)
     for executor in _handshake_executors(worker):
