@@ -24,11 +24,11 @@ from kvcached_pd import vllm_api
 from tests.support import vllm_nixl_worker as vw
 
 HEADS, HEAD_DIM, LAYERS = 2, 64, 3
-# D's wait for P's staged handshake here, where P and D share one process and one GIL: a
-# NIXL call that holds the GIL while UCX retries a connection (vLLM's own handshake
-# thread, ~6 s once on CI's 2 busy cores) keeps P's listener thread from answering; the
-# product's 5 s is for P in a process of its own. Tests that never expect a handshake
-# to time out cannot tell the two apart.
+# D's wait for P's staged handshake here, where P and D share one process and one GIL:
+# once on CI's 2 busy cores P's listener thread did not answer within the product's 5 s,
+# and vLLM's own handshake with the same P, in the same process, was logged failing ~6 s
+# after the test began (what held P's threads back was not caught). The product's 5 s
+# is for P in a process of its own; no test here expects a handshake to time out.
 IN_PROCESS_HANDSHAKE_TIMEOUT_S = 30.0
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 MODULE_PATH = "kvcached_pd.connector"
