@@ -302,3 +302,73 @@ def test_a_claim_answered_with_a_tiny_negative_age_is_read_as_zero(staged_env):
     assert read.deadline == 100.0 + 15.0
     too_far = ClaimReply("r", "ready", params=params, age_s=-2 * CLAIM_AGE_SLACK_S)
     assert "invalid age" in worker._claimed(_Read(order), too_far, 100.0)
+
+
+# ---- claim replies: what any listener a request names may answer ---------------------
+def _claim_reply_cases():
+    from hypothesis import strategies as st
+
+    anything = st.one_of(st.none(), st.booleans(), st.integers(),
+                         st.integers(min_value=1, max_value=1 << 40),  # sizes, offsets
+                         st.floats(allow_nan=True, allow_infinity=True),
+                         st.text(max_size=40), st.binary(max_size=40),
+                         st.lists(st.integers(), max_size=3),
+                         st.dictionaries(st.text(max_size=8), st.integers(), max_size=3))
+    fields = st.sampled_from(["wire_version", "engine_id", "request_id", "host", "port",
+                              "tp_size", "offset", "nbytes", "n_tok_slots", "num_tokens",
+                              "block_size", "lease_s", "format_digest", "token",
+                              "frees_on_done", "pack_event", "unknown"])
+    return (st.sampled_from(["ready", "gone"]),
+            st.dictionaries(fields, anything, max_size=4), st.booleans(), anything)
+
+
+def test_any_claim_reply_is_checked_params_or_a_wire_error():
+    """D's scheduler and its worker read a claim reply with one function
+    (``read_claim_reply``); the listener is the request's choice. Whatever it answers
+    (any field of the params replaced by anything, the params replaced wholesale, any
+    age), the answer is params that passed every check, with a finite age of at least
+    0, or a WireError for that request: nothing else escapes into D's engine."""
+    import math
+
+    from hypothesis import HealthCheck, example, given, settings
+
+    from kvcached_pd.connector.decode import read_claim_reply
+    from kvcached_pd.connector.records import ClaimTarget
+    from kvcached_pd.connector.wire import (MAX_LEASE_S, WIRE_VERSION, ClaimReply,
+                                            StagedParams, WireError)
+
+    digest, capacity, num_tokens = "f" * 64, 64 << 20, len(PROMPT)
+    valid = StagedParams(
+        wire_version=WIRE_VERSION, engine_id="p-1", request_id="r", host="127.0.0.1",
+        port=5600, tp_size=1, offset=0, nbytes=1 << 20, n_tok_slots=48,
+        num_tokens=num_tokens, block_size=16, lease_s=30.0, format_digest=digest,
+        token="ab" * 16).to_params()
+    target = ClaimTarget("127.0.0.1", 6600, "p-1", "r")
+    checked = read_claim_reply(target, ClaimReply("r", "ready", params=valid, age_s=0.5),
+                               digest, capacity, num_tokens)
+    assert checked[0].to_params() == valid and checked[1] == 0.5  # the baseline passes
+
+    status_s, changes_s, wholesale_s, age_s = _claim_reply_cases()
+
+    @settings(max_examples=400, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(status=status_s, changes=changes_s, wholesale=wholesale_s, age=age_s)
+    @example(status="ready", changes={"nbytes": capacity + 1}, wholesale=False, age=0.5)
+    @example(status="ready", changes={"engine_id": "p-2"}, wholesale=False, age=0.5)
+    @example(status="ready", changes={"num_tokens": num_tokens + 1}, wholesale=False, age=0.5)
+    @example(status="ready", changes={"format_digest": "e" * 64}, wholesale=False, age=0.5)
+    @example(status="ready", changes={}, wholesale=False, age=float("nan"))
+    def check(status, changes, wholesale, age):
+        params = changes if wholesale else {**valid, **changes}
+        reply = ClaimReply("r", status, params=params, age_s=age, reason="released")
+        try:
+            got, age_read = read_claim_reply(target, reply, digest, capacity, num_tokens)
+        except WireError:
+            return
+        assert status == "ready"
+        assert isinstance(age_read, float) and math.isfinite(age_read)
+        assert 0.0 <= age_read <= MAX_LEASE_S
+        assert got.engine_id == "p-1" and got.format_digest == digest
+        assert got.num_tokens == num_tokens and 0 < got.nbytes <= capacity
+
+    check()

@@ -605,7 +605,7 @@ class DecodeScheduler:
             handed.append((entry.request, entry.blocks))
         for req_id in read:
             entry = self.parked.pop(req_id, None)
-            if entry is not None and not self.push:
+            if entry is not None:
                 handed.append((entry.request, entry.blocks))
         return handed
 
