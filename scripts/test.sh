@@ -6,6 +6,9 @@
 # env:   KVCACHED_PD_VENVS  where the per-version venvs live (default .venv-test/)
 #        REUSE_VENVS=1      keep an existing venv instead of rebuilding it
 #        FRESH_VENVS=1      build every venv from nothing instead of from the previous one
+#        KEEP_VENVS=1       keep each release's venv after its tests (default: removed
+#                           once the next release's venv was built from it; REUSE_VENVS=1
+#                           keeps them too)
 # Needs: python3 (3.11 or newer: vLLM 0.32+ requires it), network access to the package
 # index only (PyPI or the index pip is configured with); torch is installed once and
 # shared. Times: README, "Test it".
@@ -56,6 +59,22 @@ NIXL_IN_PROCESS=(tests/test_connector_*.py tests/test_nixl_registration*.py)
 python3 tests/support/fetch_kvcached.py 0.1.6 "$REPO/.cache" 2>&1 | grep -v "Location" || true
 export KVCACHED_SRC="$REPO/.cache/kvcached-0.1.6"
 [ -f "$KVCACHED_SRC/kvcached/__init__.py" ] || { echo "kvcached source not fetched" >&2; exit 1; }
+
+# The disk this needs, for a message that says so instead of pip's or cp's "No space left
+# on device" mid-run (how one CI run ended, 107 s in, on a machine whose disk other work
+# had filled): torch ~0.9 GB once, the first venv ~1.9 GB, each later one ~0.9 GB of its
+# own (hard links to the one before), at most three venvs at a time.
+free_mib=$(df -Pm "$VENVS" | awk 'NR == 2 {print $4}')
+echo "disk: ${free_mib} MiB free where the venvs go ($VENVS)"
+if [ "${free_mib:-0}" -lt 6144 ]; then
+  echo "the test command needs about 6 GiB free under $VENVS (torch, three venvs at a" \
+       "time); ${free_mib} MiB are: free some, or point KVCACHED_PD_VENVS elsewhere" >&2
+  exit 1
+fi
+keep_venvs=${KEEP_VENVS:-${REUSE_VENVS:-0}}
+drop_venv() {  # the venv of one release, once its tests ended and nothing copies from it
+  [ "$keep_venvs" = 1 ] || rm -rf "$VENVS/vllm-$1"
+}
 
 status=0
 summary=()
@@ -141,7 +160,10 @@ for i in "${!MATRIX[@]}"; do
         -p tests.support.no_vllm "${RELEASE_INDEPENDENT[@]}"
   fi
   finish_groups
+  # The first release's venv runs the release-independent group at the end.
+  [ "$i" = 0 ] || drop_venv "$version"
 done
+drop_venv "${MATRIX[0]}"
 printf '%s\n' "${summary[@]}"
 echo "test command: $SECONDS s in all"
 exit $status
