@@ -82,7 +82,7 @@ from pd_modes import (KVCACHED_LAYOUTS, LOAD_DEFAULT_MODES, LOAD_FLAVOURS, WIRES
                       expected_wire, kv_transfer_config, load_modes, staged_pair)
 from pd_proxy import PREFILL_KV_PARAMS
 
-# kvcached_pd.connector.decode.IDLE_UNMAP_S: how long D keeps an idle IPC peer's staging
+# kvcached_pd.connector.decode_worker.IDLE_UNMAP_S: how long D keeps an idle IPC peer's staging
 # mapped (a test keeps the two equal; this harness does not import kvcached-pd)
 DECODE_IDLE_UNMAP_S = 30.0
 from pd_servers import (HTTP_PORT_BASE, PROXY_PORT_BASE, SIDE_CHANNEL_PORT_BASE, ManagedProcess,

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcached_pd.connector import decode
-from kvcached_pd.connector.decode import ClaimProbe, DecodeScheduler, DecodeWorker
+from kvcached_pd.connector import decode_scheduler
+from kvcached_pd.connector.decode_scheduler import ClaimProbe, DecodeScheduler
+from kvcached_pd.connector.decode_worker import DecodeWorker
 from kvcached_pd.connector.region import StagingAgent, StagingRegion
 from kvcached_pd.connector.side_channel import HandshakeListener
 from kvcached_pd.connector.wire import WIRE_VERSION, StagedParams, WireError, format_hash
@@ -142,7 +143,7 @@ def test_with_every_probe_worker_busy_a_new_target_is_not_held_back_nor_cached(p
 def test_what_requests_name_is_bounded(monkeypatch):
     """refused_peers (and the probe and handshake caches) grew with every engine id a
     request named."""
-    monkeypatch.setattr(decode, "MAX_PEERS", 64)
+    monkeypatch.setattr(decode_scheduler, "MAX_PEERS", 64)
     scheduler = DecodeScheduler(digest=DIGEST, block_size=16, capacity_bytes=1 << 20,
                                 tp_size=1)
     for i in range(130):
@@ -196,7 +197,7 @@ def test_a_request_preempted_before_its_unpack_was_reported_computes_its_prompt_
     load and the worker's word that the unpack ran: asked again, D loads nothing (P's
     extent may be freed by then: a second load would fail its tag, and the request with
     it) and vLLM computes the prompt itself."""
-    from kvcached_pd.connector.decode import _Pending
+    from kvcached_pd.connector.decode_scheduler import _Pending
 
     scheduler = DecodeScheduler(digest=DIGEST, block_size=16, capacity_bytes=1 << 20,
                                 tp_size=1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvcached_pd import vllm_api
-from kvcached_pd.connector import decode as decode_mod
+from kvcached_pd.connector import decode_worker as decode_mod
 from kvcached_pd.connector import prefill as prefill_mod
 from kvcached_pd.connector.tokens import new_token
 from kvcached_pd.connector.wire import PARAMS_KEY
@@ -473,3 +473,4 @@ def test_a_failed_synchronous_load_never_lends_its_blocks_to_the_next_steps_requ
     if d.outputs["d-real"].finish_reason != FinishReason.ERROR:
         assert same_kv(p, d, p_blocks, d_blocks, len(prompt)), \
             "the real request ran on blocks the forged load never wrote"
+

@@ -545,7 +545,7 @@ def test_decode_leaves_a_request_it_cannot_stage_to_the_inner_connector(change, 
     request only (vLLM's own path reads P's blocks as vLLM does), never raised."""
     import torch
 
-    from kvcached_pd.connector.decode import DecodeScheduler
+    from kvcached_pd.connector.decode_scheduler import DecodeScheduler
     from kvcached_pd.connector.wire import WIRE_VERSION, StagedParams, format_hash
     from kvcached_pd.transport.format import PackedFormat
 

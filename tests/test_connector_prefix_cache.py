@@ -96,7 +96,7 @@ def moved(monkeypatch):
     """What D moved per request: the NIXL READs its staging agent posted (remote offset,
     bytes; none on the IPC wire), the staging it reserved, and the window each unpack
     read (bytes, first slot), by request id."""
-    from kvcached_pd.connector import decode as decode_mod
+    from kvcached_pd.connector import decode_worker as decode_mod
     from kvcached_pd.connector.region import StagingAgent
     from kvcached_pd.connector.wire import Done
     from kvcached_pd.transport.staging import StagingBuffer
@@ -320,7 +320,7 @@ def test_claimed_requests_move_only_what_d_lacks(staged_env, monkeypatch, moved,
     (after P answered the claim) sends the DONE alone. On the IPC wire, once the first
     request has mapped P, D's scheduler claims and the partial hit loads synchronously,
     unpacking only the window out of P's memory."""
-    from kvcached_pd.connector import decode as decode_mod
+    from kvcached_pd.connector import decode_worker as decode_mod
     from tests.test_connector_pd import loaded
     from tests.test_connector_push_concurrent import concurrent_params
 

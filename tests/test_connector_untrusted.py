@@ -227,7 +227,7 @@ def test_a_push_decode_leg_with_a_forged_remote_port_is_left_to_vllm(port):
     listener at vLLM's ``remote_port`` + 1000. A port no listener can have (vLLM's JSON
     reads ``Infinity``) leaves the request to vLLM's push, refused once per P; nothing
     raises in vLLM's scheduler hook."""
-    from kvcached_pd.connector.decode import DecodeScheduler
+    from kvcached_pd.connector.decode_scheduler import DecodeScheduler
 
     fmt = pd_format()
     decode = DecodeScheduler(digest="0" * 16, block_size=16, capacity_bytes=4 << 20,
@@ -273,7 +273,7 @@ def test_a_claim_reply_carrying_non_finite_numbers_fails_only_that_load(staged_e
     the request pointed D at may answer anything. Non-finite or negative numbers
     (offset, lease, age) fail that request's load with the reason; nothing raises in
     D's worker."""
-    from kvcached_pd.connector.decode import _Read
+    from kvcached_pd.connector.decode_worker import _Read
     from kvcached_pd.connector.wire import ClaimReply
 
     worker, params, order = claiming_decode(43)
@@ -292,7 +292,8 @@ def test_a_claim_answered_with_a_tiny_negative_age_is_read_as_zero(staged_env):
     one run failed their load on it). D reads an age within CLAIM_AGE_SLACK_S below 0
     as 0 (its READ deadline is then half the lease from now); one further below still
     fails that load."""
-    from kvcached_pd.connector.decode import CLAIM_AGE_SLACK_S, _Read
+    from kvcached_pd.connector.decode_scheduler import CLAIM_AGE_SLACK_S
+    from kvcached_pd.connector.decode_worker import _Read
     from kvcached_pd.connector.wire import ClaimReply
 
     worker, params, order = claiming_decode(44)
@@ -332,7 +333,7 @@ def test_any_claim_reply_is_checked_params_or_a_wire_error():
 
     from hypothesis import HealthCheck, example, given, settings
 
-    from kvcached_pd.connector.decode import read_claim_reply
+    from kvcached_pd.connector.decode_scheduler import read_claim_reply
     from kvcached_pd.connector.records import ClaimTarget
     from kvcached_pd.connector.wire import (MAX_LEASE_S, WIRE_VERSION, ClaimReply,
                                             StagedParams, WireError)

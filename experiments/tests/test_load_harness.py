@@ -373,7 +373,7 @@ def test_after_a_prefill_kill_the_harness_waits_for_ds_idle_unmap_before_reading
 
     import pd_load
 
-    src = open(os.path.join(os.path.dirname(EXP), "kvcached_pd", "connector", "decode.py")).read()
+    src = open(os.path.join(os.path.dirname(EXP), "kvcached_pd", "connector", "decode_worker.py")).read()
     product = float(re.search(r"^IDLE_UNMAP_S = ([0-9.]+)", src, re.M).group(1))
     assert pd_load.DECODE_IDLE_UNMAP_S == product
 

@@ -5,7 +5,7 @@ connector (``NixlConnector``, or ``NixlPushConnector`` in push mode) through the
 interface, the way vLLM's ``MultiConnector`` composes connectors:
 
 * requests whose peer is a kvcached-pd instance of the same wire and packed format
-  move through the staged path (:mod:`.prefill`, :mod:`.decode`), with this
+  move through the staged path (:mod:`.prefill`, :mod:`.decode_scheduler`, :mod:`.decode_worker`), with this
   connector's own NIXL agent, staging registration and handshake listener;
 * everything else (a plain vLLM peer, another format, TP > 1 for now) is the inner
   connector's, unchanged; P's blocks are the inner connector's, so a plain vLLM decode
@@ -33,7 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcached_pd import config, nixl_kv_guard, serving, vllm_api
-from kvcached_pd.connector.decode import ClaimProbe, DecodeScheduler, DecodeWorker
+from kvcached_pd.connector.decode_scheduler import ClaimProbe, DecodeScheduler
+from kvcached_pd.connector.decode_worker import DecodeWorker
 from kvcached_pd.connector.prefill import PrefillScheduler, PrefillWorker
 from kvcached_pd.connector.claim_board import ClaimBoard
 from kvcached_pd.connector.records import StepMetadata, WorkerReport

@@ -16,7 +16,7 @@ their loads); ``auto`` IPC when D can open P's staging, NIXL otherwise, with the
 (an IPC open that failed on the same host is a *fallback*: logged and counted in
 ``vllm:kvcached_pd_wire_fallbacks_total``).
 
-The interface a wire offers :class:`~kvcached_pd.connector.decode.DecodeWorker`:
+The interface a wire offers :class:`~kvcached_pd.connector.decode_worker.DecodeWorker`:
 ``uses_staging`` (D reserves an extent of its own), ``post`` (start moving),
 ``state`` ("PROC", "DONE" or "ERR"), ``settle`` (after the state left "PROC"),
 ``before_unpack`` / ``source`` (what the unpack waits on and reads: the request's

@@ -101,6 +101,6 @@ class CorruptReceivedKVPatch(Patch):
             raise AttributeError("NixlConnectorWorker has no get_finished")
         for owner in owners:
             self._replace(owner, ATTR, _make_hook(vars(owner)[ATTR]))
-        from kvcached_pd.connector.decode import DecodeWorker
+        from kvcached_pd.connector.decode_worker import DecodeWorker
 
         self._replace(DecodeWorker, "_unpack", _make_unpack_hook(vars(DecodeWorker)["_unpack"]))

@@ -91,7 +91,7 @@ class FakeIpc:
 
 def install(monkeypatch) -> FakeIpc:
     """Replace the CUDA IPC layer for this test; returns the fake to inspect."""
-    from kvcached_pd.connector.decode import DecodeWorker
+    from kvcached_pd.connector.decode_worker import DecodeWorker
 
     fake = FakeIpc()
     monkeypatch.setattr(cuda_ipc, "export_staging", fake.export_staging)
