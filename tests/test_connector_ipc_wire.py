@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import logging
 import time
 import types
+import weakref
 
 import pytest
 import torch
@@ -16,9 +18,11 @@ import torch
 from kvcached_pd import vllm_api
 from kvcached_pd.connector import decode_worker as decode_mod
 from kvcached_pd.connector import prefill as prefill_mod
+from kvcached_pd.connector import wires as wires_mod
 from kvcached_pd.connector.tokens import new_token
 from kvcached_pd.connector.wire import PARAMS_KEY
 from kvcached_pd.connector.region import StagingAgent
+from kvcached_pd.transport import cuda_ipc
 from tests.support import connector_pd as pd
 from tests.support import fake_cuda_ipc
 from tests.test_connector_pd import (  # noqa: F401 - staged_env is a fixture
@@ -474,3 +478,51 @@ def test_a_failed_synchronous_load_never_lends_its_blocks_to_the_next_steps_requ
         assert same_kv(p, d, p_blocks, d_blocks, len(prompt)), \
             "the real request ran on blocks the forged load never wrote"
 
+
+def test_an_unmapped_peer_leaves_nothing_in_d_holding_p_staging(staged_env, ipc, monkeypatch,
+                                                                caplog):
+    """Only the last reference to the mapped tensor closes the IPC handle, and only then
+    can the GPU free a dead P's staging. On 2 x H200 (2026-11-26, P killed mid-load)
+    push mode's D gave P's 2 GiB back at the idle unmap and pull mode's did not. Here,
+    in pull mode, with what that run went through (loads on both paths, one refused by
+    its tag, DONEs that no longer reach P): once the peer is unmapped, nothing in D's
+    Python objects still refers to P's staging. The fake maps a tensor object of D's
+    own over P's storage (as torch's IPC open does), whose lifetime the test watches."""
+    caplog.set_level(logging.WARNING, logger="kvcached_pd")
+    mapped_refs = []
+    fake_open = ipc.open_staging
+
+    def open_staging(export, device):
+        mapped, how = fake_open(export, device)
+        src = mapped.tensor
+        own = torch.empty(0, dtype=src.dtype).set_(src.untyped_storage(), 0, src.shape,
+                                                    src.stride())
+        mapped_refs.append(weakref.ref(own))
+        return cuda_ipc.MappedStaging(own, mapped.events), how
+    monkeypatch.setattr(cuda_ipc, "open_staging", open_staging)
+    p = pd.make_engine("p", "kv_producer", seed=41)
+    d = pd.make_engine("d", "kv_consumer", seed=42)
+    prompt = list(range(11, 50))
+    handoff(p, d, "r1", prompt)
+    handoff(p, d, "r2", list(range(3, 90)))
+    bad = copy.deepcopy(pd.prefilled(p, "r3", prompt))
+    bad[PARAMS_KEY]["token"] = new_token().hex()
+    d.sched.add_request(pd.decode_request("d-r3", prompt, bad))
+    assert pd.run([p, d], lambda: "d-r3" in d.outputs and d.outputs["d-r3"].finished)
+
+    def p_is_gone(self, message):
+        raise RuntimeError("prefill's NIXL agent is gone")
+    monkeypatch.setattr(wires_mod.IpcWire, "send", p_is_gone)
+    handoff(p, d, "r4", prompt)
+    worker = d.worker._decode_worker
+    worker.idle_unmap_s = 0.3
+    deadline = time.monotonic() + 5
+    while worker._peers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not worker._peers, "the idle peer stayed mapped"
+    assert "another request's token" in caplog.text and "could not send DONE" in caplog.text
+    assert len(mapped_refs) == 1
+    gc.collect()
+    held = mapped_refs[0]()
+    assert held is None, ("P's mapped staging is still referred to by " + ", ".join(
+        type(r).__name__ for r in gc.get_referrers(held)))

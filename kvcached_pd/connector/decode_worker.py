@@ -347,7 +347,9 @@ class DecodeWorker:
         memory came back with it (only a dead P's staging does: a live P still holds
         its own): on 2 x H200 (2026-11-26) a killed P's 2 GiB came back at the unmap in
         push mode ("rose by 2048 MiB") and not in pull mode ("rose by 0 MiB": something
-        else in a pull-mode D still holds it), read on the GPU of P's staging."""
+        else in a pull-mode D still holds it; not a Python reference of this module's,
+        which a CPU test rules out for the paths that run went through), read on the GPU
+        of P's staging."""
         now = time.monotonic()
         dropped = []  # (wire, P's GPU's free memory before the drop and after it)
         with self._lock:
