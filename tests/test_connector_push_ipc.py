@@ -110,7 +110,7 @@ def test_a_decode_leg_sent_before_p_answered_loads_in_the_step_that_schedules_it
     assert saw_done(p, d, "c1"), "D's DONE never reached P"
     assert not writes, "P started vLLM's per-block push WRITE"
     assert settled(p, d) and reads_left(d) == 0
-    assert not d.connector._decode.claiming and not d.connector._decode.replies
+    assert not d.connector._decode.claiming and not d.connector._decode.claimed
 
 
 def test_a_claim_p_answers_gone_fails_that_load_alone(staged_env, ipc, sync_loads, claims,
@@ -156,7 +156,7 @@ def test_a_decode_abort_while_the_claim_waits_leaves_nothing(staged_env, ipc, sy
     assert pd.run([p, d], lambda: "c4" in p.outputs)
     both_legs(p, d, "c5", list(range(400, 450)))
     assert sync_loads == ["c5"]
-    assert not d.connector._decode.replies and reads_left(d) == 0
+    assert "c4" not in d.connector._decode.claimed and reads_left(d) == 0
     # P's extent of c4 goes at P's lease (push mode: nobody READs it)
     from tests.test_connector_push import LEASE_S
     assert pd.run([p, d], lambda: not p.sched.requests and not p.connector._prefill.staged,

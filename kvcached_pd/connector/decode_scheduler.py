@@ -248,11 +248,10 @@ class DecodeScheduler:
     secret: bytes | None = None  # proves this D to P's listener (side_channel.sign)
     claim_timeout_s: float = 5.0  # a claim listener silent this long past its hold is gone
     # push mode, concurrent legs, an IPC peer: the scheduler claims the params itself
-    # (_claim_now), request id -> (target, when claimed), the replies taken, and each
+    # (_claim_now), request id -> (target, when claimed, prompt tokens), and each
     # answered claim's outcome until vLLM allocates the request (or ends it)
     claims: ClaimClient | None = None
-    claiming: dict[str, tuple[ClaimTarget, float]] = field(default_factory=dict)
-    replies: dict[str, ClaimReply | Exception] = field(default_factory=dict)
+    claiming: dict[str, tuple[ClaimTarget, float, int]] = field(default_factory=dict)
     claimed: dict[str, tuple[StagedParams | None, float | None, str]] = field(
         default_factory=dict)
     pending: dict[str, _Pending] = field(default_factory=dict)
@@ -391,44 +390,45 @@ class DecodeScheduler:
         until vLLM allocates the request: with no room in D's KV cache vLLM asks again
         next step, and P answers a claim once (a second one is refused)."""
         req_id = request.request_id
-        if req_id in self.claimed:
-            return self.claimed[req_id]
         now = time.monotonic()
-        if req_id not in self.claiming:
+        if req_id not in self.claiming and req_id not in self.claimed:
             if self.claims is None:
                 self.claims = ClaimClient(self.claim_timeout_s, self.secret)
             self.claims.submit(req_id, claim.host, claim.port,
                                Claim(CLAIM_WIRE_VERSION, claim.key, claim.engine_id))
-            self.claiming[req_id] = (claim, now)
+            self.claiming[req_id] = (claim, now, len(request.prompt_token_ids or ()))
             trace("claim_sent", req_id, key=claim.key, by="scheduler")
             return None
-        self.replies.update({r: reply for r, reply in self.claims.take().items()
-                             if r in self.claiming})
-        target, since = self.claiming[req_id]
-        reply = self.replies.pop(req_id, None)
-        if reply is None:
+        for answered, reply in self.claims.take().items():
+            entry = self.claiming.pop(answered, None)
+            if entry is not None:  # else given up since (on_request_finished)
+                self.claimed[answered] = self._claim_outcome(answered, entry, reply, now)
+        if req_id in self.claiming:
+            target, since, _ = self.claiming[req_id]
             if now - since <= self.lease_s:
                 return None
             self.claims.cancel(req_id)
-            outcome = (None, None, f"prefill {target.engine_id} had not staged it within "
-                       "this instance's KV lease")
-        elif isinstance(reply, Exception):
-            outcome = None, None, f"claim from {target.engine_id}: {reply}"
-        else:
-            try:
-                params, age_s = read_claim_reply(target, reply, self.digest,
-                                                 self.capacity_bytes,
-                                                 len(request.prompt_token_ids or ()))
-            except WireError as exc:
-                outcome = None, None, str(exc)
-            else:
-                trace("claim_answered", req_id, age_ms=round(1e3 * age_s, 3),
-                      remote_req=params.request_id, by="scheduler")
-                # P's lease began when P staged it, age_s ago: D never READs after half
-                outcome = params, now + params.lease_s / 2 - age_s, ""
-        del self.claiming[req_id]
-        self.claimed[req_id] = outcome
-        return outcome
+            del self.claiming[req_id]
+            self.claimed[req_id] = (None, None, f"prefill {target.engine_id} had not staged "
+                                    "it within this instance's KV lease")
+        return self.claimed[req_id]
+
+    def _claim_outcome(self, req_id: str, entry: tuple[ClaimTarget, float, int],
+                       reply: ClaimReply | Exception, now: float
+                       ) -> tuple[StagedParams | None, float | None, str]:
+        """What P's answer to the scheduler's claim makes of the request's load."""
+        target, _since, num_tokens = entry
+        if isinstance(reply, Exception):
+            return None, None, f"claim from {target.engine_id}: {reply}"
+        try:
+            params, age_s = read_claim_reply(target, reply, self.digest, self.capacity_bytes,
+                                             num_tokens)
+        except WireError as exc:
+            return None, None, str(exc)
+        trace("claim_answered", req_id, age_ms=round(1e3 * age_s, 3),
+              remote_req=params.request_id, by="scheduler")
+        # P's lease began when P staged it, age_s ago: D never READs after half of it
+        return params, now + params.lease_s / 2 - age_s, ""
 
     def on_wires(self, ipc_peers: dict[tuple[str, str, int, int], bool]) -> None:
         """The workers' news of their peers' wires (``WorkerReport.ipc_peers``)."""
@@ -619,7 +619,6 @@ class DecodeScheduler:
             # held back for its claim (never allocated): P's lease frees its extent, as
             # for a push-mode request aborted before its READ
             self.claims.cancel(request.request_id)
-            self.replies.pop(request.request_id, None)
             return
         if self.parked.pop(request.request_id, None) is not None:
             # its unpack may still read P's staging: vLLM must not notify P now (it does
