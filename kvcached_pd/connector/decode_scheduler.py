@@ -114,8 +114,6 @@ CLAIM_AGE_SLACK_S = 0.25
 MAX_PEERS = 1024
 
 
-
-
 def peer_key(params: Any) -> tuple[str, str, int]:
     """What a handshake or a verdict is cached under: the engine id and where it was
     asked, so a request naming a real engine id with another host pins nothing for it."""
