@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
+import types
 
 import pytest
 import torch
@@ -268,22 +270,39 @@ def claiming_decode(seed: int):
     return worker, params, order
 
 
+def take_claim(worker, order, reply):
+    """Hand D's worker P's ``reply`` to its claim of a queued request, through the
+    worker's own path (``_take_claims``); (the read, the reason its load failed or
+    None). The handshake a good reply starts is not made (no P listens)."""
+    from kvcached_pd.connector.decode_worker import _Read
+
+    read, reasons = _Read(order), []
+    worker.queued["d-r"] = read
+    worker._claims = types.SimpleNamespace(take=lambda: {"d-r": reply})
+    worker._fail = lambda req_id, read, reason, after=None: reasons.append(reason)
+    worker._peer = lambda params: None
+    worker._take_claims()
+    assert (reasons == []) == (read.params is not None) == ("d-r" in worker.queued)
+    worker.queued.pop("d-r", None)
+    return read, (reasons[0] if reasons else None)
+
+
 def test_a_claim_reply_carrying_non_finite_numbers_fails_only_that_load(staged_env):
     """P's listener answers a claim with the request's params and their age; a listener
     the request pointed D at may answer anything. Non-finite or negative numbers
     (offset, lease, age) fail that request's load with the reason; nothing raises in
     D's worker."""
-    from kvcached_pd.connector.decode_worker import _Read
     from kvcached_pd.connector.wire import ClaimReply
 
     worker, params, order = claiming_decode(43)
     good = ClaimReply("r", "ready", params=params, age_s=0.5)
-    assert worker._claimed(_Read(order), good, 0.0) is None  # the unchanged reply
+    assert take_claim(worker, order, good)[1] is None  # the unchanged reply
     for change in CLAIM_CHANGES:
         forged_params = {**params, **{k: v for k, v in change.items() if k != "age_s"}}
         bad = ClaimReply("r", "ready", params=forged_params, age_s=change.get("age_s", 0.5))
-        reason = worker._claimed(_Read(order), bad, 0.0)
+        reason = take_claim(worker, order, bad)[1]
         assert reason and "p-1" in reason, change
+    assert "claim from p-1: refused" in take_claim(worker, order, ConnectionError("refused"))[1]
 
 
 def test_a_claim_answered_with_a_tiny_negative_age_is_read_as_zero(staged_env):
@@ -293,16 +312,16 @@ def test_a_claim_answered_with_a_tiny_negative_age_is_read_as_zero(staged_env):
     as 0 (its READ deadline is then half the lease from now); one further below still
     fails that load."""
     from kvcached_pd.connector.decode_scheduler import CLAIM_AGE_SLACK_S
-    from kvcached_pd.connector.decode_worker import _Read
     from kvcached_pd.connector.wire import ClaimReply
 
     worker, params, order = claiming_decode(44)
-    read = _Read(order)
-    assert worker._claimed(read, ClaimReply("r", "ready", params=params, age_s=-3e-5),
-                           100.0) is None
-    assert read.deadline == 100.0 + 15.0
+    before = time.monotonic()
+    read, reason = take_claim(worker, order, ClaimReply("r", "ready", params=params,
+                                                        age_s=-3e-5))
+    assert reason is None
+    assert before + 15.0 <= read.deadline <= time.monotonic() + 15.0
     too_far = ClaimReply("r", "ready", params=params, age_s=-2 * CLAIM_AGE_SLACK_S)
-    assert "invalid age" in worker._claimed(_Read(order), too_far, 100.0)
+    assert "invalid age" in take_claim(worker, order, too_far)[1]
 
 
 # ---- claim replies: what any listener a request names may answer ---------------------

@@ -158,6 +158,24 @@ def read_claim_reply(target: ClaimTarget, reply: ClaimReply, digest: str, capaci
     return params, max(0.0, float(age_s))
 
 
+def claim_outcome(req_id: str, target: ClaimTarget, reply: ClaimReply | Exception,
+                  digest: str, capacity_bytes: int, num_tokens: int, now: float, by: str
+                  ) -> tuple[StagedParams | None, float | None, str]:
+    """What P's answer to a claim (or the claim client's error) makes of the request's
+    load, for D's scheduler and its worker alike (``by``, in the trace): (P's params, the
+    READ's deadline, "") or (None, None, why the load fails)."""
+    if isinstance(reply, Exception):
+        return None, None, f"claim from {target.engine_id}: {reply}"
+    try:
+        params, age_s = read_claim_reply(target, reply, digest, capacity_bytes, num_tokens)
+    except WireError as exc:
+        return None, None, str(exc)
+    trace("claim_answered", req_id, age_ms=round(1e3 * age_s, 3),
+          remote_req=params.request_id, by=by)
+    # P's lease began when P staged it, age_s ago: D never READs after half of it
+    return params, now + params.lease_s / 2 - age_s, ""
+
+
 @dataclass
 class _Pending:
     request: Any
@@ -400,7 +418,10 @@ class DecodeScheduler:
         for answered, reply in self.claims.take().items():
             entry = self.claiming.pop(answered, None)
             if entry is not None:  # else given up since (on_request_finished)
-                self.claimed[answered] = self._claim_outcome(answered, entry, reply, now)
+                target, _since, num_tokens = entry
+                self.claimed[answered] = claim_outcome(
+                    answered, target, reply, self.digest, self.capacity_bytes, num_tokens, now,
+                    by="scheduler")
         if req_id in self.claiming:
             target, since, _ = self.claiming[req_id]
             if now - since <= self.lease_s:
@@ -410,23 +431,6 @@ class DecodeScheduler:
             self.claimed[req_id] = (None, None, f"prefill {target.engine_id} had not staged "
                                     "it within this instance's KV lease")
         return self.claimed[req_id]
-
-    def _claim_outcome(self, req_id: str, entry: tuple[ClaimTarget, float, int],
-                       reply: ClaimReply | Exception, now: float
-                       ) -> tuple[StagedParams | None, float | None, str]:
-        """What P's answer to the scheduler's claim makes of the request's load."""
-        target, _since, num_tokens = entry
-        if isinstance(reply, Exception):
-            return None, None, f"claim from {target.engine_id}: {reply}"
-        try:
-            params, age_s = read_claim_reply(target, reply, self.digest, self.capacity_bytes,
-                                             num_tokens)
-        except WireError as exc:
-            return None, None, str(exc)
-        trace("claim_answered", req_id, age_ms=round(1e3 * age_s, 3),
-              remote_req=params.request_id, by="scheduler")
-        # P's lease began when P staged it, age_s ago: D never READs after half of it
-        return params, now + params.lease_s / 2 - age_s, ""
 
     def on_wires(self, ipc_peers: dict[tuple[str, str, int, int], bool]) -> None:
         """The workers' news of their peers' wires (``WorkerReport.ipc_peers``)."""

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kvcached_pd.connector.decode_scheduler import MAX_PEERS, peer_key, read_claim_reply
+from kvcached_pd.connector.decode_scheduler import MAX_PEERS, claim_outcome, peer_key
 from kvcached_pd.connector.records import RecvOrder
 from kvcached_pd.connector.region import StagingRegion
 from kvcached_pd.connector.side_channel import ClaimClient, fetch_handshake
@@ -49,7 +49,6 @@ from kvcached_pd.connector.wires import WireClosed, choose_wire
 from kvcached_pd.connector.wire import (
     CLAIM_WIRE_VERSION,
     Claim,
-    ClaimReply,
     Done,
     RankHandshake,
     StagedParams,
@@ -267,31 +266,16 @@ class DecodeWorker:
             read = self.queued.get(req_id)
             if read is None or read.params is not None:
                 continue
-            if isinstance(reply, Exception):
+            params, deadline, failure = claim_outcome(
+                req_id, read.order.claim, reply, self.region.digest,
+                self.region.buffer.allocator.capacity_bytes, read.order.num_tokens, now,
+                by="worker")
+            if params is None:
                 del self.queued[req_id]
-                self._fail(req_id, read, f"claim from {read.order.claim.engine_id}: {reply}")
+                self._fail(req_id, read, failure)
                 continue
-            reason = self._claimed(read, reply, now)
-            if reason is not None:
-                del self.queued[req_id]
-                self._fail(req_id, read, reason)
-                continue
-            trace("claim_answered", req_id, age_ms=round(1e3 * reply.age_s, 3),
-                  remote_req=read.params.request_id)
+            read.params, read.deadline = params, deadline
             self._peer(read.params)
-
-    def _claimed(self, read: _Read, reply: ClaimReply, now: float) -> str | None:
-        """Take P's answer to a claim; the reason the load fails, or None."""
-        try:
-            params, age_s = read_claim_reply(read.order.claim, reply, self.region.digest,
-                                             self.region.buffer.allocator.capacity_bytes,
-                                             read.order.num_tokens)
-        except WireError as exc:
-            return str(exc)
-        read.params = params
-        # P's lease began when P finished it, age_s ago: D never READs after half of it.
-        read.deadline = now + params.lease_s / 2 - age_s
-        return None
 
     def _peer(self, params: StagedParams) -> Future:
         key = (*peer_key(params), self.region.tp_rank)
