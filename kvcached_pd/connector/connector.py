@@ -5,8 +5,9 @@ connector (``NixlConnector``, or ``NixlPushConnector`` in push mode) through the
 interface, the way vLLM's ``MultiConnector`` composes connectors:
 
 * requests whose peer is a kvcached-pd instance of the same wire and packed format
-  move through the staged path (:mod:`.prefill`, :mod:`.decode_scheduler`, :mod:`.decode_worker`), with this
-  connector's own NIXL agent, staging registration and handshake listener;
+  move through the staged path (:mod:`.prefill`, :mod:`.decode_scheduler`,
+  :mod:`.decode_worker`), with this connector's own NIXL agent, staging registration
+  and handshake listener;
 * everything else (a plain vLLM peer, another format, TP > 1 for now) is the inner
   connector's, unchanged; P's blocks are the inner connector's, so a plain vLLM decode
   instance can read them, and a staged request's are freed at the first of D's DONE,

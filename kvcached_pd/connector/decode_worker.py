@@ -21,7 +21,7 @@ and the DONE goes to P once that unpack has run on the device; an idle mapping i
 dropped by a thread (:data:`IDLE_UNMAP_S`), since only that lets the GPU free a dead
 P's staging. A push request of a concurrent leg that the scheduler did not claim itself
 is claimed here from P's listener, checked like the scheduler's claims
-(:func:`~kvcached_pd.connector.decode_scheduler.read_claim_reply`).
+(:func:`~kvcached_pd.connector.decode_scheduler.claim_outcome`).
 
 What it loads, and when, the scheduler half decides (:mod:`.decode_scheduler`) and
 hands over as :class:`~kvcached_pd.connector.records.RecvOrder` each step.
