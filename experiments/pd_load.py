@@ -557,21 +557,33 @@ class LoadHarness:
         if not r["ok"]:
             log(f"{run.mode.name}: warm-up request failed: {r['error']}")
 
-    def run_reference(self, run: ModeRun) -> None:
+    def single_repeat(self, run: ModeRun, index: int) -> dict:
+        """One pass of the load through one instance without PD (no aborts, no kills: they
+        act on PD legs). The reference's pass (index 0) is the ground truth; any other
+        single instance's outputs are checked against it."""
         a = self.a
         requests = run_load(run.url, a.model, self.prompts, a.max_tokens, a.concurrency,
                             a.request_timeout)
-        self.reference = {r["name"]: r["token_ids"] for r in requests if r["ok"]}
         bad = [r for r in requests if not r["ok"]]
         checks = {"requests": check_requests(requests, False)}
+        if run.mode.name != "reference":
+            checks["outputs"] = check_outputs(requests, self.reference, False)
         alive = {"single": {"alive": run.instances["single"].alive(), "killed": False,
                             "health": get(run.instances["single"].health_url).status}}
         checks["alive"] = check_alive(alive)
-        run.repeats.append({"repeat": 0, "n_sent": len(requests),
-                            "n_completed": len(requests) - len(bad), "n_failed": len(bad),
-                            "n_aborted": {}, "checks": checks, "verdict": verdict_of(checks),
-                            "latency": latency_stats(requests), "requests": requests})
-        log(f"reference: {len(requests) - len(bad)}/{len(requests)} requests ok")
+        dead = checks["alive"]["dead"]
+        if dead:
+            run.broken = f"{', '.join(dead)} died in repeat {index}"
+        log(f"{run.mode.name}: {len(requests) - len(bad)}/{len(requests)} requests ok")
+        return {"repeat": index, "n_sent": len(requests),
+                "n_completed": len(requests) - len(bad), "n_failed": len(bad),
+                "n_aborted": {}, "checks": checks, "verdict": verdict_of(checks),
+                "latency": latency_stats(requests), "requests": requests}
+
+    def run_reference(self, run: ModeRun) -> None:
+        rep = self.single_repeat(run, 0)
+        self.reference = {r["name"]: r["token_ids"] for r in rep["requests"] if r["ok"]}
+        run.repeats.append(rep)
 
     def ttft_batch(self, run: ModeRun) -> dict:
         a = self.a
@@ -596,6 +608,7 @@ class LoadHarness:
         self.start(modes)
         ref = self.runs["reference"]
         pd_runs = [r for r in self.runs.values() if r.mode.is_pd]
+        singles = [r for r in self.runs.values() if not r.mode.is_pd and r is not ref]
         for run in self.runs.values():
             if run.broken is None:
                 self.warm_up(run)
@@ -606,13 +619,23 @@ class LoadHarness:
         self.run_reference(ref)
         self.write()
         if a.ttft_batch:
-            for run in [ref] + pd_runs:
+            for run in [ref] + singles + pd_runs:
                 if run.broken is None and not self.deadline.expired(a.reserve_s + 30):
                     run.ttft = self.ttft_batch(run)
         steps: list[float] = []  # how long one repeat of one mode took, so far
         for index in range(1, a.repeats + 1):
-            for run in pd_runs:
+            for run in singles + pd_runs:
                 if run.broken:
+                    continue
+                if not run.mode.is_pd:
+                    if self.deadline.remaining() < a.reserve_s + (max(steps) if steps else 30.0):
+                        self.notes.append(f"{run.mode.name}: repeat {index} not run: out of "
+                                          "time (--deadline-s)")
+                        continue
+                    t0 = time.monotonic()
+                    run.repeats.append(self.single_repeat(run, index))
+                    steps.append(time.monotonic() - t0)
+                    self.write()
                     continue
                 window = a.abort_timeout_s + 15 if (a.kill and index == a.repeats) or \
                     a.ucx_fault_lib else a.settle_s

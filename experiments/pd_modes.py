@@ -210,6 +210,9 @@ def load_env(transport: str | None, layout: str = "contiguous",
     return env
 
 
+KVCACHED_SINGLE = "kvcached-single"  # the load flavour that is one kvcached instance
+SINGLE = "single"  # its "transport": no PD at all
+
 # name -> (description, transport of both sides or None for vanilla, connector[, wire])
 LOAD_FLAVOURS: dict[str, tuple] = {
     "vanilla": ("PD, vLLM without kvcached", None, "NixlConnector"),
@@ -222,6 +225,11 @@ LOAD_FLAVOURS: dict[str, tuple] = {
                          "staged", "NixlConnector", "nixl"),
     "kvpd-push-nixl": ("PD, kvcached + kvcached-pd staged push, KVCACHED_PD_WIRE=nixl",
                        "staged", "NixlPushConnector", "nixl"),
+    # Not PD: one kvcached instance (kvcached's own patches, kvcached-pd off) serving the
+    # load like the reference. Beside the vanilla reference it splits a PD mode's gap to
+    # one instance into kvcached's own cost (pages mapped as KV grows) and kvcached-pd's.
+    KVCACHED_SINGLE: ("one instance, no PD, kvcached on (its defaults), kvcached-pd off",
+                      SINGLE, None),
 }
 LOAD_DEFAULT_MODES = ("vanilla", "kvpd-staged", "kvpd-push")
 
@@ -235,6 +243,10 @@ def load_modes(names: list[str], layout: str = "contiguous") -> list[Mode]:
         if any(m.name == name for m in out):
             continue
         description, transport, connector, *wire = LOAD_FLAVOURS[name]
+        if transport == SINGLE:
+            env = {**KVCACHED_DEFAULTS, **KVCACHED_LAYOUTS[layout], "KVCACHED_PD": "0"}
+            out.append(Mode(name, description, single=InstanceConfig(f"kvcached-{layout}", env)))
+            continue
         wire = wire[0] if wire else None
         flavour = "vanilla" if transport is None else \
             f"kvcached-pd-{transport}-{layout}" + (f"-{wire}" if wire else "")

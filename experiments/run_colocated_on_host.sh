@@ -12,7 +12,9 @@
 #          the nixl wire); plus the TTFT batch 8 x 3000 tokens through each pair.
 #   PART b (~8.5 min): load, kvbig 48 requests 8 at a time (2 repeats) with the TTFT batch
 #          8 x 3000 tokens, then tiny 64 requests 16 at a time (3 repeats): the no-PD
-#          reference, vanilla PD, kvcached-pd pull and push (push legs sent at once), each
+#          reference, one kvcached instance without PD (kvcached-single: what of a gap to
+#          one instance is kvcached's own), vanilla PD, kvcached-pd pull and push (push
+#          legs sent at once), each
 #          instance's GPU memory before, under (sampled peak) and after the load, and idle;
 #          KVCACHED_PD_TRACE=1 (--trace): the per-stage timeline of where the TTFT goes
 #          (results/2026-11-25-h100-colocated/where-the-time-goes.md had no trace of the load).
@@ -129,10 +131,12 @@ a)
   echo "rc bench=$?"
   ;;
 b)
-  traffic kvbig $(( $(left) * 11 / 20 )) --model "$KVBIG" --modes vanilla,kvpd-staged,kvpd-push \
+  traffic kvbig $(( $(left) * 11 / 20 )) --model "$KVBIG" \
+    --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
     --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 --settle-s 20 \
     --expect-wire ipc --trace "${GPU_ARGS[@]}"
-  traffic tiny $(( $(left) - 25 )) --model "$TINY" --modes vanilla,kvpd-staged,kvpd-push \
+  traffic tiny $(( $(left) - 25 )) --model "$TINY" \
+    --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
     --push-concurrent --repeats 3 --settle-s 20 --expect-wire ipc --trace "${GPU_ARGS[@]}"
   ;;
 c)

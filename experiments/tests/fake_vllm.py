@@ -16,6 +16,7 @@ everything else ignored) and emulates what the harness relies on:
 Failure knobs (environment): FAKE_VLLM_EXIT_AT_START=1 (die while starting),
 FAKE_VLLM_PD_ALWAYS=1 (log "kvcached-pd: applied" even with KVCACHED_PD=0),
 FAKE_VLLM_SINGLE_SKEW=1 (the no-PD instance flips its 21st output token),
+FAKE_VLLM_KVCACHED_SINGLE_SKEW=1 (a no-PD instance with kvcached on flips its first),
 FAKE_VLLM_DIE_AFTER=N (a decode instance exits on its N+1-th request),
 FAKE_VLLM_RECOMPUTE=1 (decode ignores the transferred KV and recomputes; the external
 prefix cache counters then stay at zero), KVCACHED_PD_TEST_CORRUPT=1 (decode flips one
@@ -329,6 +330,9 @@ def make_handler(st: State):
             out = generate(kv, max_tokens)
             if os.environ.get("FAKE_VLLM_SINGLE_SKEW") and not st.kv_config and len(out) > 20:
                 out[20] += 1  # a late one-token flip on the no-PD instance (numerics-like)
+            if (os.environ.get("FAKE_VLLM_KVCACHED_SINGLE_SKEW") and not st.kv_config
+                    and os.environ.get("ENABLE_KVCACHED") == "true" and out):
+                out[0] += 1  # the no-PD kvcached instance answers wrongly
             body = {
                 "id": rid, "object": "text_completion", "model": st.args.model,
                 "choices": [{"index": 0, "text": "".join(chr(32 + t % 90) for t in out),

@@ -72,6 +72,38 @@ def test_load_flavours_run_kvcached_defaults_and_pick_the_layout():
     assert split.decode.env["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
 
 
+def test_kvcached_single_is_one_kvcached_instance_without_pd():
+    modes = {m.name: m for m in pd_modes.load_modes(["kvcached-single", "kvpd-staged"])}
+    single = modes["kvcached-single"]
+    assert not single.is_pd and single.prefill is None
+    assert single.single.env == {"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1",
+                                 "KVCACHED_PD": "0"}  # kvcached's defaults, kvcached-pd off
+    split = pd_modes.load_modes(["kvcached-single"], layout="split")[1]
+    assert split.single.env["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
+
+
+def test_a_kvcached_single_instance_serves_every_repeat_checked_against_the_reference(
+        tmp_path):
+    res, summary, out = _run_load(tmp_path, "--modes", "kvcached-single,vanilla",
+                                  "--repeats", "2", "--ttft-batch", "2",
+                                  "--ttft-prompt-tokens", "300")
+    assert res.returncode == 0, res.stdout[-3000:]
+    single = summary["modes"]["kvcached-single"]
+    assert single["verdict"] == "PASS" and single["repeats_run"] == 2
+    assert single["completed"] == single["sent"] == 2 * 18
+    assert single["checks"]["outputs"] == ["pass"]
+    assert single["ttft_batch"]["n"] == 2 and single["latency"]["e2e_p50_ms"]
+    assert single["instances"]["single"]["env"]["ENABLE_KVCACHED"] == "true"
+    assert "kvcached-single" in (out / "summary.txt").read_text()
+    # ... and a kvcached instance that answers otherwise than the reference fails
+    res, summary, _ = _run_load(tmp_path, "--modes", "kvcached-single",
+                                env_extra={"FAKE_VLLM_KVCACHED_SINGLE_SKEW": "1"})
+    assert res.returncode == 1
+    single = summary["modes"]["kvcached-single"]
+    assert single["verdict"] == "FAIL" and single["checks"]["outputs"] == ["fail"]
+    assert summary["modes"]["reference"]["verdict"] == "PASS"
+
+
 def test_bad_options_stop_before_any_server_starts(tmp_path, capsys):
     for args, words in ((["--modes", "kvpd-direct"], "--kvcached-layout split"),
                         (["--abort-every", "9"], "--abort-prefill-ms"),
