@@ -83,7 +83,7 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
   local step=${1%@*} w=$2
   if [ -n "${SESSION_FAKE_STEPS:-}" ]; then  # the offline test: each step sleeps and writes
     echo "sleep $SESSION_FAKE_STEPS; echo $1 \$(command -v python3) > $w/summary.txt;" \
-         "[ $step != colo-d ]"
+         "echo '${LANE_PORTS}gpu $LANE_GPU' > $w/lane.txt; [ $step != colo-d ]"
     return
   fi
   case $step in
@@ -198,7 +198,7 @@ start|dry)
   echo $(( $(date +%s) + ${SESSION_SECONDS:-$(( ${SESSION_MINUTES:-20} * 60 ))} )) > $S/deadline
   export SESSION_GPUS LANE_C_GPU PYTHONUNBUFFERED=1
   plan > $S/plan.txt
-  export -f est lane_gpu step_cmd run_step lane
+  export -f est lane_gpu lane_ports step_cmd run_step lane
   export S SESSION_VENV_ROOT SESSION_AB21_TREES SESSION_AB21_REPEATS SESSION_SERVE_MODES \
     SESSION_ABORT_REPEATS
   setsid nohup bash -c '

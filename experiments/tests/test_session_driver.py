@@ -123,3 +123,18 @@ def test_a_colocated_step_runs_on_its_own_lanes_gpu(tmp_path):
     # lane C's harnesses get ports of their own (2026-11-26: lane C's aborts run, started
     # with lane T's kvbig load, picked the same free ports and sent its requests there)
     assert "COLO_PORT_BASE=23000" in lines["C colo-b"] and "COLO_PORT_BASE" not in lines["T colo-d"]
+
+
+def test_a_started_session_gives_each_lane_its_gpu_and_ports(tmp_path):
+    """What the dry run prints must also reach the background lanes (2026-11-26: the
+    port helper was not exported to them; lane C's aborts and lane T's kills took the same
+    ports and talked to each other's servers, both runs lost)."""
+    r = run(tmp_path, "start", "abc123", SESSION_FAKE_STEPS="1", SESSION_GPUS="2",
+            SESSION_SECONDS="40", SESSION_PLAN="T colo-e;C colo-d")
+    assert r.returncode == 0, r.stderr
+    run(tmp_path, "wait", "60", str(tmp_path / "out"))
+    work = tmp_path / "s" / "work"
+    assert (work / "colo-e" / "lane.txt").read_text().split() == ["gpu", "0"]
+    assert (work / "colo-d" / "lane.txt").read_text().split() == [
+        "COLO_PORT_BASE=23000", "gpu", "1"]
+    assert "command not found" not in (tmp_path / "s" / "lane-C.log").read_text()
