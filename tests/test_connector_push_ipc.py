@@ -215,11 +215,8 @@ def test_the_first_request_after_an_idle_unmap_loads_claimed_once(
     """D's worker drops an idle peer's mapping on its own thread; D's scheduler hears of
     it only at D's next step. The decode leg that wakes an idle D therefore meets a
     scheduler that still takes P for mapped: it claims, and P answers one claim per
-    request. That request must load (its exact KV), claimed once: on 2 x H100
-    (2026-11-26, colocated push, the first request after 30 idle seconds) one failed,
-    "... was claimed already". This order of events and the next test's do not
-    reproduce that failure (both pass; each fails when D's scheduler claims again while
-    its claim waits): what claimed it first there is not known yet."""
+    request. That request must load (its exact KV), claimed once (the next test is the
+    order of events that failed on a GPU)."""
     import time
 
     p, d = mapped_pair(shut_down, (65, 66))
@@ -247,14 +244,17 @@ def test_the_first_request_after_an_idle_unmap_loads_claimed_once(
     assert settled(p, d) and reads_left(d) == 0
 
 
-def test_a_request_p_staged_before_d_woke_from_an_idle_unmap_loads_claimed_once(
+def test_two_requests_claimed_across_an_idle_unmap_each_load_claimed_once(
         staged_env, ipc, sync_loads, claims, shut_down):
-    """The same wake-up with P's extent staged before the decode leg reaches D: the
-    scheduler's claim is answered at once, possibly before D's scheduler heard of the
-    unmap, and the load must still be the request's exact KV, claimed once."""
+    """Two decode legs wake an idle D: its scheduler, not yet told of the unmap, claims
+    both. The step's output brings the unmap's news; the next step takes both replies
+    while matching the first request. The second request's reply is then waiting for
+    it, and its match must use it although its P is no longer taken for mapped (it did
+    not: the worker claimed again, P refused "claimed already" and the load failed, one
+    request of a push load on 2 x H100, 2026-11-26)."""
     import time
 
-    p, d = mapped_pair(shut_down, (67, 68))
+    p, d = mapped_pair(shut_down, (69, 70))
     worker = d.worker._decode_worker
     worker.idle_unmap_s = 0.3
     deadline = time.monotonic() + 5
@@ -263,15 +263,25 @@ def test_a_request_p_staged_before_d_woke_from_an_idle_unmap_loads_claimed_once(
     assert not worker._peers, "the idle peer stayed mapped"
     worker.idle_unmap_s = 60.0
     errors = pd.record_load_errors(d)
-    prompt = list(range(500, 547))
+    prompts = {"c7": list(range(600, 647)), "c8": list(range(700, 739))}
     sent_before = len(claims)
-    p.sched.add_request(pd.prefill_request("c6", prompt))
-    assert pd.run([p], lambda: "c6" in p.outputs)
-    want = p_kv(p, "c6", len(prompt))
-    d.sched.add_request(pd.decode_request("c6", prompt, concurrent_params(p, "c6")))
-    step_until_scheduled(d, "c6")
-    assert not errors, f"the load failed: {errors}"
-    assert [r for _, r in claims[sent_before:]] == ["c6"], "claimed more than once"
-    assert_same_kv(want, d.tokens(d.blocks_of("c6"), len(prompt)), len(prompt))
-    assert pd.run([p, d], lambda: d.outputs["c6"].finished)
+    for req_id, prompt in prompts.items():
+        d.sched.add_request(pd.decode_request(req_id, prompt, concurrent_params(p, req_id)))
+    d.step()  # both claimed by D's scheduler; this step's output says P is unmapped
+    assert set(d.connector._decode.claiming) == {"c7", "c8"}
+    assert not d.connector._decode.ipc_ranks, "the scheduler never heard of the unmap"
+    for req_id, prompt in prompts.items():
+        p.sched.add_request(pd.prefill_request(req_id, prompt))
+    assert pd.run([p], lambda: all(r in p.outputs for r in prompts))
+    want = {r: p_kv(p, r, len(prompt)) for r, prompt in prompts.items()}
+    time.sleep(0.5)  # both replies reach D's claim client before its next step
+    for req_id in prompts:
+        step_until_scheduled(d, req_id)
+    assert not errors, f"a load failed: {errors}"
+    assert sorted(r for _, r in claims[sent_before:]) == ["c7", "c8"], \
+        "a request was claimed twice"
+    for req_id, prompt in prompts.items():
+        assert_same_kv(want[req_id], d.tokens(d.blocks_of(req_id), len(prompt)), len(prompt))
+    assert pd.run([p, d], lambda: all(d.outputs[r].finished for r in prompts))
     assert settled(p, d) and reads_left(d) == 0
+    assert not d.connector._decode.claiming and not d.connector._decode.claimed

@@ -350,7 +350,12 @@ class DecodeScheduler:
                                                         claim=claim, full_hit=True)
             return 0, False
         deadline, failure = None, ""
+        # A request the scheduler claimed stays on that path, whatever D's wires say now:
+        # P answers one claim per request. Its reply may wait in ``claimed`` already,
+        # taken while another request was matched (2 x H100, 2026-11-26: with the
+        # idle unmap's news in between, the worker claimed again and P refused it)
         if claim is not None and (request.request_id in self.claiming
+                                  or request.request_id in self.claimed
                                   or self._ipc_engine(claim)):
             claimed = self._claim_now(request, claim)
             if claimed is None:
