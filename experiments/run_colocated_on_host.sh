@@ -30,7 +30,9 @@
 #          killed likewise (tiny; pull and push): the survivor serves, its memory returns.
 #          COLO_KILLS (default "decode prefill"): the roles killed, in order, the part's
 #          time split evenly among them (2026-11-26: half of 560 s held kill D in pull
-#          mode only; COLO_KILLS=decode gives it the whole part).
+#          mode only, twice; COLO_KILLS=decode gives it the whole part), each ROLE or
+#          ROLE:MODES (e.g. "decode:kvpd-push": that role killed under those load modes
+#          only; default kvpd-staged,kvpd-push).
 #   PART f (~6 min): UCX faults (tiny 64/16, one repeat): experiments/ucx_fault's
 #          injector preloaded into P and D fails every 8th UCX operation it hooks, on both
 #          sides: vanilla PD, kvcached-pd pull and push on the default wire (CUDA IPC: the
@@ -162,9 +164,12 @@ e)
   fi
   read -r -a kills <<< "${COLO_KILLS:-decode prefill}"
   n=${#kills[@]}
-  for role in "${kills[@]}"; do  # the time left split evenly among the kills still to run
+  for kill in "${kills[@]}"; do  # the time left split evenly among the kills still to run
+    role=${kill%%:*}
+    modes=kvpd-staged,kvpd-push
+    [ "$kill" = "$role" ] || modes=${kill#*:}
     traffic "kill${role:0:1}" $(( ($(left) - 25) / n )) --model "$TINY" \
-      --modes kvpd-staged,kvpd-push --push-concurrent --requests 128 --kill "$role" \
+      --modes "$modes" --push-concurrent --requests 128 --kill "$role" \
       --kill-at-s 1 --expect-wire ipc "${GPU_ARGS[@]}"
     n=$(( n - 1 ))
   done

@@ -383,6 +383,13 @@ def test_part_e_kills_the_roles_asked_for_with_the_parts_whole_time(tmp_path, mo
                         if x.startswith("TRAFFIC_BUDGET_S=")])
     (alone,), (first, second) = budgets
     assert alone > 500 and 230 < first < 280 and second > 500  # dry runs take no time
+    # ROLE:MODES kills that role under those modes only (2026-11-26, twice: kill D under
+    # push never fitted after pull's run in the same part)
+    cmds = [argv for argv in _dry_run(tmp_path, "e", COLO_KILLS="decode:kvpd-push prefill",
+                                      **models) if any(x.endswith("traffic.sh") for x in argv)]
+    runs = [pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]]) for argv in cmds]
+    assert [(a.kill, a.modes) for a in runs] == [("decode", ["kvpd-push"]),
+                                                 ("prefill", ["kvpd-staged", "kvpd-push"])]
 
 
 def test_a_port_base_reaches_every_harness_of_a_part(tmp_path, models):
