@@ -68,9 +68,6 @@ IDLE_UNMAP_S = 30.0
 # for requests that come this long after it failed (retrying at every engine step left
 # them waiting for their deadline: half of P's lease, 240 s on vLLM 0.20).
 HANDSHAKE_RETRY_S = 5.0
-# How long the idle unmap waits for its removal of the peer's NIXL agent before it reads
-# the GPU's free memory for its log line (the removal itself goes on)
-REMOVE_AGENT_WAIT_S = 10.0
 
 
 @dataclass
@@ -103,8 +100,6 @@ class DecodeWorker:
         self.secret = secret  # proves this D to P's listener (side_channel.sign)
         # (engine, host, port, P rank) -> that peer rank's wire
         self._peers: dict[tuple[str, str, int, int], Future] = {}
-        # peers whose NIXL agent the idle unmap is removing (a new handshake waits for it)
-        self._removing: dict[tuple[str, str, int, int], Future] = {}
         self._counted: set[int] = set()  # wires whose IPC fallback was counted
         # IPC loads reported finished while their unpack may still read P's staging, and
         # those whose unpack has run since (DONE sent): the scheduler's hand-off waits
@@ -309,10 +304,6 @@ class DecodeWorker:
             raise WireError(f"{params.host}:{params.port} is prefill {handshake.engine_id}, "
                             f"not {params.engine_id}")
         handshake.check_compatible(self.region.fmt, self.region.digest)
-        with self._lock:
-            removal = self._removing.pop((*peer_key(params), self.region.tp_rank), None)
-        if removal is not None:  # the idle unmap's removal of this peer's agent comes first
-            removal.result(timeout=self.handshake_timeout_s)
         name = self.region.agent.add_peer(handshake)
         wire = choose_wire(self.wire_policy, self.region, name, handshake)
         if wire.name == "ipc":
@@ -323,13 +314,6 @@ class DecodeWorker:
                    "wire %s (%s)", handshake.engine_id, handshake.tp_rank,
                    handshake.staging_bytes >> 20, handshake.wire_version, wire.name, wire.why)
         return wire
-
-    def _remove_agent(self, wire: Any) -> None:
-        try:
-            self.region.agent.remove_peer(wire.peer)
-        except Exception as exc:  # noqa: BLE001 - the unmap stands; D lives
-            logger.warning("kvcached-pd: could not remove prefill %s's NIXL agent: %s",
-                           wire.handshake.engine_id, exc)
 
     def _start_unmapper(self) -> None:
         """D's engine steps only while it has requests, so an idle D would keep a dead
@@ -348,11 +332,10 @@ class DecodeWorker:
         its own): on 2 x H200 (2026-11-26) a killed P's 2 GiB came back at the unmap in
         push mode ("rose by 2048 MiB") and not in pull mode ("rose by 0 MiB": something
         else in a pull-mode D still holds it; not a Python reference of this module's,
-        which a CPU test rules out for the paths that run went through), on 2 x H100 (the
-        same day) in neither mode; read on the GPU of P's staging, after the peer's NIXL
-        agent is removed too (whether that agent is the holder is not measured yet)."""
+        which a CPU test rules out for the paths that run went through), read on the GPU
+        of P's staging."""
         now = time.monotonic()
-        dropped = []  # (wire, the GPU of P's staging, its free memory before, the removal)
+        dropped = []  # (wire, P's GPU's free memory before the drop and after it)
         with self._lock:
             wires = [(key, future.result()) for key, future in self._peers.items()
                      if future.done() and future.exception() is None]
@@ -364,22 +347,10 @@ class DecodeWorker:
                 device = wire.device
                 before = _free_bytes(device)
                 if wire.close_if_idle(self.idle_unmap_s, now):
-                    # The peer's NIXL agent goes too: its metadata registers P's staging,
-                    # a D that met many Ps (each P restart a new one) kept them all, and
-                    # whether UCX holds a dead P's staging through it is the open question
-                    # of the kill-P runs above. Off the engine's path and off the lock (a
-                    # dead peer's disconnect may take UCX a while); a new handshake with
-                    # this peer waits for it (``_handshake``).
-                    self._removing[key] = self._pool.submit(self._remove_agent, wire)
                     del self._peers[key]
                     self.ipc_news[key] = False
-                    dropped.append((wire, device, before, self._removing[key]))
-        for wire, device, before, removal in dropped:
-            try:  # the memory is read once both are gone
-                removal.result(timeout=REMOVE_AGENT_WAIT_S)
-            except Exception:  # noqa: BLE001 - a removal still running: read it now
-                pass
-            after = _free_bytes(device)
+                    dropped.append((wire, before, _free_bytes(device)))
+        for wire, before, after in dropped:
             freed = ("" if before is None or after is None else
                      f"; the GPU's free memory rose by {(after - before) / (1 << 20):.0f} MiB")
             logger.info("kvcached-pd: unmapped prefill %s rank %d's staging after %.0f s "

@@ -53,11 +53,6 @@ class StagingAgent:
     def add_peer(self, handshake: RankHandshake) -> str:
         return self.agent.add_remote_agent(handshake.agent_metadata)
 
-    def remove_peer(self, peer: str) -> None:
-        """Forget a peer added by :meth:`add_peer` (its metadata, which registers its
-        staging, and its connection); a later handshake adds it again."""
-        self.agent.remove_remote_agent(peer)
-
     def read(self, peer: str, handshake: RankHandshake, remote_offset: int,
              local_offset: int, nbytes: int, notif: bytes) -> Any:
         """Post a READ of ``nbytes`` from the peer's staging into ours, one descriptor per
