@@ -66,6 +66,16 @@ def wire_of(d):
     return futures[0].result()
 
 
+def wait_unmapped(worker, idle_s: float = 0.3, timeout_s: float = 5.0) -> bool:
+    """Let D's unmap thread drop the peers idle for ``idle_s`` (no engine step: an idle D
+    does not step); True once none is mapped, within ``timeout_s``."""
+    worker.idle_unmap_s = idle_s
+    deadline = time.monotonic() + timeout_s
+    while worker._peers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not worker._peers
+
+
 def test_a_same_host_peer_is_unpacked_straight_from_p_staging(staged_env, ipc, reads):
     p = pd.make_engine("p", "kv_producer", seed=1)
     d = pd.make_engine("d", "kv_consumer", seed=2)
@@ -222,12 +232,8 @@ def test_an_idle_peer_is_unmapped_and_mapped_again_at_its_next_request(staged_en
     handoff(p, d, "r1", prompt)
     worker = d.worker._decode_worker
     wire = wire_of(d)
-    worker.idle_unmap_s = 0.3
     # no engine step: an idle D does not step, and must let go of the mapping all the same
-    deadline = time.monotonic() + 5
-    while worker._peers and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not worker._peers, "the idle peer stayed mapped"
+    assert wait_unmapped(worker), "the idle peer stayed mapped"
     assert wire.mapped is None
     params, p_blocks, d_blocks = handoff(p, d, "r2", prompt)
     assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
@@ -424,11 +430,7 @@ def test_the_unmap_says_how_much_of_the_gpus_memory_came_back(
     device = torch.device("meta")
     worker._unmap_idle_peers()
     assert reads == [], "the GPU's memory was read with nothing to unmap"
-    worker.idle_unmap_s = 0.3
-    deadline = time.monotonic() + 5
-    while worker._peers and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not worker._peers, "the idle peer stayed mapped"
+    assert wait_unmapped(worker), "the idle peer stayed mapped"
     # the GPU holding P's staging (across two GPUs not D's own), read around the drop
     assert reads == [device] * 2
     assert "staging after 0 s without requests (its next request maps it again); the " \
@@ -515,11 +517,7 @@ def test_an_unmapped_peer_leaves_nothing_in_d_holding_p_staging(staged_env, ipc,
     monkeypatch.setattr(wires_mod.IpcWire, "send", p_is_gone)
     handoff(p, d, "r4", prompt)
     worker = d.worker._decode_worker
-    worker.idle_unmap_s = 0.3
-    deadline = time.monotonic() + 5
-    while worker._peers and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not worker._peers, "the idle peer stayed mapped"
+    assert wait_unmapped(worker), "the idle peer stayed mapped"
     assert "another request's token" in caplog.text and "could not send DONE" in caplog.text
     assert len(mapped_refs) == 1
     gc.collect()

@@ -18,7 +18,12 @@ from kvcached_pd import vllm_api
 from kvcached_pd.connector.side_channel import ClaimClient
 from kvcached_pd.connector.wire import ClaimReply
 from tests.support import connector_pd as pd
-from tests.test_connector_ipc_wire import ipc, reads_left, sync_loads  # noqa: F401 (fixtures)
+from tests.test_connector_ipc_wire import (  # noqa: F401 (fixtures)
+    ipc,
+    reads_left,
+    sync_loads,
+    wait_unmapped,
+)
 from tests.test_connector_mixed import assert_same_kv, settled
 from tests.test_connector_pd import saw_done, staged_env  # noqa: F401 (fixture)
 from tests.test_connector_push import PUSH, engine, shut_down  # noqa: F401 (fixture)
@@ -217,15 +222,9 @@ def test_the_first_request_after_an_idle_unmap_loads_claimed_once(
     scheduler that still takes P for mapped: it claims, and P answers one claim per
     request. That request must load (its exact KV), claimed once (the next test is the
     order of events that failed on a GPU)."""
-    import time
-
     p, d = mapped_pair(shut_down, (65, 66))
     worker = d.worker._decode_worker
-    worker.idle_unmap_s = 0.3
-    deadline = time.monotonic() + 5
-    while worker._peers and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not worker._peers, "the idle peer stayed mapped"
+    assert wait_unmapped(worker), "the idle peer stayed mapped"
     worker.idle_unmap_s = 60.0
     assert d.connector._decode.ipc_ranks, "the scheduler heard of the unmap before a step"
     errors = pd.record_load_errors(d)
@@ -256,11 +255,7 @@ def test_two_requests_claimed_across_an_idle_unmap_each_load_claimed_once(
 
     p, d = mapped_pair(shut_down, (69, 70))
     worker = d.worker._decode_worker
-    worker.idle_unmap_s = 0.3
-    deadline = time.monotonic() + 5
-    while worker._peers and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not worker._peers, "the idle peer stayed mapped"
+    assert wait_unmapped(worker), "the idle peer stayed mapped"
     worker.idle_unmap_s = 60.0
     errors = pd.record_load_errors(d)
     prompts = {"c7": list(range(600, 647)), "c8": list(range(700, 739))}
