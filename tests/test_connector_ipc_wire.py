@@ -130,6 +130,66 @@ def test_d_tells_p_only_once_its_unpack_has_run(staged_env, ipc):
     assert settle(p, d)
 
 
+def _read_p_staging(d) -> str:
+    """Post a NIXL READ of P's first 4 KiB from D's staged agent: "read", or why NIXL
+    refused it."""
+    wire = wire_of(d)
+    agent = d.worker._region.agent
+    try:
+        handle = agent.read(wire.peer, wire.handshake, 0, 0, 4096, b"probe")
+    except Exception as exc:  # noqa: BLE001 - NIXL's refusal is the answer
+        return f"refused: {type(exc).__name__}: {exc}"
+    deadline = time.monotonic() + 10
+    while agent.state(handle) == "PROC" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    state = agent.state(handle)
+    agent.release(handle)
+    return "read" if state == "DONE" else f"refused: {state}"
+
+
+def test_an_ipc_peer_is_loaded_without_its_memory(staged_env, ipc):
+    """D on the IPC wire loads P's NIXL agent for its DONEs alone, none of P's memory:
+    UCX opens the first remote key of each peer GPU through CUDA IPC and keeps that
+    mapping for good, which held a killed P's 2 GiB staging on one H100 (2026-11-26).
+    D's agent then cannot READ P's staging (it has no key for it); the DONE still reaches
+    P."""
+    p = pd.make_engine("p", "kv_producer", seed=51)
+    d = pd.make_engine("d", "kv_consumer", seed=52)
+    prompt = list(range(3, 40))
+    handoff(p, d, "r1", prompt)
+    assert wire_of(d).name == "ipc"
+    assert wire_of(d).handshake.notify_metadata, "P's handshake offers no notify metadata"
+    assert _read_p_staging(d).startswith("refused"), "D loaded P's staging into NIXL"
+    assert saw_done(p, d, "r1") and settle(p, d)
+
+
+def test_a_nixl_wire_peer_is_loaded_with_its_staging(staged_env, ipc, monkeypatch):
+    """The other half of the test above: D READs over NIXL, so it loads P's staging."""
+    monkeypatch.setenv("KVCACHED_PD_WIRE", "nixl")
+    p = pd.make_engine("p", "kv_producer", seed=53)
+    d = pd.make_engine("d", "kv_consumer", seed=54)
+    handoff(p, d, "r1", list(range(3, 40)))
+    assert wire_of(d).name == "nixl"
+    assert _read_p_staging(d) == "read"
+
+
+def test_an_older_prefill_without_notify_metadata_is_loaded_whole(staged_env, ipc,
+                                                                  monkeypatch):
+    """A P of an older build sends no ``notify_metadata``: D loads its whole agent, as
+    before, and the IPC wire serves it."""
+    from kvcached_pd.connector import region as region_mod
+
+    monkeypatch.setattr(region_mod.StagingAgent, "notify_metadata", lambda self: None)
+    p = pd.make_engine("p", "kv_producer", seed=55)
+    d = pd.make_engine("d", "kv_consumer", seed=56)
+    prompt = list(range(5, 44))
+    params, p_blocks, d_blocks = handoff(p, d, "r1", prompt)
+    assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+    assert wire_of(d).name == "ipc" and wire_of(d).handshake.notify_metadata is None
+    assert _read_p_staging(d) == "read"
+    assert saw_done(p, d, "r1") and settle(p, d)
+
+
 def test_an_ipc_open_that_fails_falls_back_to_nixl_logged_once_and_counted(
         staged_env, ipc, reads, caplog):
     ipc.fail_open = "the peer runs in another IPC namespace on this host"

@@ -392,3 +392,31 @@ def test_any_claim_reply_is_checked_params_or_a_wire_error():
         assert got.num_tokens == num_tokens and 0 < got.nbytes <= capacity
 
     check()
+
+
+def test_a_handshake_naming_another_agent_than_its_metadata_loads_fails_its_loads(
+        staged_env, caplog, monkeypatch):
+    """D names P's agent by the handshake's ``agent_name`` (it picks the wire before
+    loading the agent, so that an IPC peer is loaded without its memory). A handshake
+    whose metadata loads another agent would aim D's READs and DONEs at that agent: the
+    handshake is refused, the requests of that P fail their loads, D serves on."""
+    from kvcached_pd.connector import region as region_mod
+
+    caplog.set_level(logging.ERROR, logger="kvcached_pd")
+    real = region_mod.StagingRegion.handshake
+
+    def lying(self, engine_id):
+        import dataclasses
+        return dataclasses.replace(real(self, engine_id), agent_name="kvcached-pd-someone-else")
+    monkeypatch.setattr(region_mod.StagingRegion, "handshake", lying)
+    p = pd.make_engine("p", "kv_producer", seed=61)
+    d = pd.make_engine("d", "kv_consumer", seed=62)
+    params, _ = prefill(p, "a1", PROMPT)
+    d_blocks, failed = decode(p, d, "d-a1", PROMPT, params)
+    assert failed and d_blocks is None
+    assert "its metadata loads" in caplog.text
+    monkeypatch.setattr(region_mod.StagingRegion, "handshake", real)
+    p2 = pd.make_engine("p2", "kv_producer", seed=63)
+    params, p_blocks = prefill(p2, "a2", OTHER)
+    d_blocks, failed = decode(p2, d, "d-a2", OTHER, params)
+    assert not failed and same_kv(p2, p_blocks, d, d_blocks)

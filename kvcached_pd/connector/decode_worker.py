@@ -304,8 +304,9 @@ class DecodeWorker:
             raise WireError(f"{params.host}:{params.port} is prefill {handshake.engine_id}, "
                             f"not {params.engine_id}")
         handshake.check_compatible(self.region.fmt, self.region.digest)
-        name = self.region.agent.add_peer(handshake)
-        wire = choose_wire(self.wire_policy, self.region, name, handshake)
+        wire = choose_wire(self.wire_policy, self.region, handshake.agent_name, handshake)
+        # the IPC wire only sends DONEs: P's agent without its memory (add_peer says why)
+        self.region.agent.add_peer(handshake, notify_only=wire.name == "ipc")
         if wire.name == "ipc":
             with self._lock:
                 self.ipc_news[(*peer_key(params), self.region.tp_rank)] = True
@@ -329,11 +330,10 @@ class DecodeWorker:
         """Forget IPC peers unused for ``idle_unmap_s``: their mapping is what keeps a
         dead P's staging allocated on the GPU. The log line says how much of the GPU's
         memory came back with it (only a dead P's staging does: a live P still holds
-        its own): on 2 x H200 (2026-11-26) a killed P's 2 GiB came back at the unmap in
-        push mode ("rose by 2048 MiB") and not in pull mode ("rose by 0 MiB": something
-        else in a pull-mode D still holds it; not a Python reference of this module's,
-        which a CPU test rules out for the paths that run went through), read on the GPU
-        of P's staging."""
+        its own), read on the GPU of P's staging. Up to 2026-11-26 it often said "rose
+        by 0 MiB" after P was killed (2 x H200: pull mode; one H100: both modes): UCX
+        had mapped P's staging a second time when D loaded P's whole NIXL agent
+        (``StagingAgent.add_peer``); an IPC peer's agent is now loaded without it."""
         now = time.monotonic()
         dropped = []  # (wire, P's GPU's free memory before the drop and after it)
         with self._lock:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvcached_pd.connector.wire import RankHandshake, WIRE_VERSION, format_hash
+from kvcached_pd.connector.wire import RankHandshake, WIRE_VERSION, WireError, format_hash
 from kvcached_pd.transport import cuda_ipc
 from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
@@ -37,7 +37,8 @@ class StagingAgent:
 
         self.name = f"kvcached-pd-{uuid.uuid4()}"
         # Telemetry as vLLM's own agent has it: each READ's time on the wire is a metric.
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(backends),
+        self.backends = list(backends)
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=self.backends,
                                                              capture_telemetry=True))
         self.memory_type = "VRAM" if tensor.is_cuda else "DRAM"
         self.device_id = (tensor.device.index or 0) if tensor.is_cuda else 0
@@ -50,8 +51,37 @@ class StagingAgent:
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
 
-    def add_peer(self, handshake: RankHandshake) -> str:
-        return self.agent.add_remote_agent(handshake.agent_metadata)
+    def notify_metadata(self) -> bytes:
+        """This agent's connection alone, none of its memory: what a peer that only
+        sends notifications (the IPC wire's D) loads (:meth:`add_peer`)."""
+        from nixl._api import nixlBind
+
+        empty = nixlBind.nixlRegDList(self.agent.nixl_mems[self.memory_type])
+        return self.agent.get_partial_agent_metadata(empty, True, self.backends)
+
+    def add_peer(self, handshake: RankHandshake, notify_only: bool = False) -> str:
+        """Load the peer's agent: all of it (its staging too: this agent READs from it),
+        or, with ``notify_only`` and a peer that offers it, only its connection.
+
+        Why the difference: loading a peer's memory hands its keys to UCX, and UCX's
+        ``cuda_ipc`` transport probes the first key of each peer GPU by opening that
+        memory's CUDA IPC handle and keeping the mapping in its cache for the life of the
+        process (``uct_cuda_ipc_is_peer_accessible``). A D on the IPC wire never READs
+        over NIXL, yet loading P's staging made its process map P's 2 GiB a second time;
+        once P was killed that mapping kept P's staging allocated on the GPU after D had
+        dropped its own (one H100, 2026-11-26: D's process 2 132 MiB above its start,
+        the idle unmap freeing nothing). Raises :class:`WireError` when the agent loaded
+        is not the one the handshake names."""
+        metadata = handshake.agent_metadata
+        if notify_only and handshake.notify_metadata is not None:
+            metadata = handshake.notify_metadata
+        name = self.agent.add_remote_agent(metadata)
+        if isinstance(name, bytes):
+            name = name.decode("utf-8", "replace")
+        if name != handshake.agent_name:
+            raise WireError(f"the handshake names NIXL agent {handshake.agent_name!r}, its "
+                            f"metadata loads {name!r}")
+        return name
 
     def read(self, peer: str, handshake: RankHandshake, remote_offset: int,
              local_offset: int, nbytes: int, notif: bytes) -> Any:
@@ -205,7 +235,8 @@ class StagingRegion:
         return RankHandshake(
             wire_version=WIRE_VERSION, engine_id=engine_id, tp_rank=self.tp_rank,
             tp_size=self.tp_size, agent_name=self.agent.name,
-            agent_metadata=self.agent.metadata(), staging_base=self.agent.base,
+            agent_metadata=self.agent.metadata(), notify_metadata=self.agent.notify_metadata(),
+            staging_base=self.agent.base,
             staging_bytes=self.agent.nbytes, device_id=self.agent.device_id,
             memory_type=self.agent.memory_type, packed_format=self.fmt.to_dict(),
             head_start=self.head_start, head_count=self.head_count, format_digest=self.digest,

@@ -57,6 +57,11 @@ Wire version history
     handshake's ``packed_format`` and in the params' ``format_digest``, so peers of
     formats 2 and 3 refuse each other's params and handshake, and their requests take
     vLLM's own NIXL path.
+  3, amended 2026-11-26: optional ``notify_metadata`` in :class:`RankHandshake`: P's
+    NIXL agent with its connection and none of its memory. A D on the IPC wire loads
+    it instead of ``agent_metadata`` (it only sends DONEs), so UCX never opens P's
+    staging in D's process (``StagingAgent.add_peer`` says why that matters). An older
+    D ignores it; a newer D reads its absence as "load all of P's agent".
 
 Every field of a peer's params is checked before use (:meth:`StagedParams.from_params`):
 types, finite numbers, bounds (:data:`MAX_WIRE_INT`), and the arithmetic that ties
@@ -217,6 +222,9 @@ class RankHandshake(_Msgpack):
     format_digest: str
     # P's staging exported for CUDA IPC (cuda_ipc.StagingExport.to_dict); None: NIXL only
     ipc: dict[str, Any] | None = None
+    # P's NIXL agent without its memory (connection only): what a D on the IPC wire loads
+    # to send its DONEs; None: an older P (D loads ``agent_metadata``)
+    notify_metadata: bytes | None = None
 
     def check_compatible(self, own_format: PackedFormat, own_digest: str) -> None:
         """Raise :class:`WireError` unless this peer's extents can be unpacked here."""
