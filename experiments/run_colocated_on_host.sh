@@ -21,7 +21,8 @@
 #   PART c (~6 min): equivalence with D's prefix cache on, push legs sent at once: reference,
 #          vanilla, staged pull and push on kvcached's default (contiguous) layout and on
 #          the split layout, mixed fleets both ways, P16/D32, the negative control (must
-#          DIFFER).
+#          DIFFER). COLO_EQ_MODES: the modes to run instead (e.g. "reference blocksize
+#          negative": what an earlier run's deadline cut).
 #   PART d (~5 min): the issue's client aborts x5 (tiny 64/16, every 9th client drops its P
 #          leg after 50 ms and its D leg after 10 ms): kvcached-pd pull and push.
 #   PART e (~8 min): probe_cuda_ipc.py (does a process mapping another's memory through
@@ -32,7 +33,8 @@
 #          time split evenly among them (2026-11-26: half of 560 s held kill D in pull
 #          mode only, twice; COLO_KILLS=decode gives it the whole part), each ROLE or
 #          ROLE:MODES (e.g. "decode:kvpd-push": that role killed under those load modes
-#          only; default kvpd-staged,kvpd-push).
+#          only; default kvpd-staged,kvpd-push). COLO_PROBES=0: the kills alone (the
+#          probes' answers are known by now and take a minute of the part).
 #   PART f (~6 min): UCX faults (tiny 64/16, one repeat): experiments/ucx_fault's
 #          injector preloaded into P and D fails every 8th UCX operation it hooks, on both
 #          sides: vanilla PD, kvcached-pd pull and push on the default wire (CUDA IPC: the
@@ -142,9 +144,10 @@ b)
     --push-concurrent --repeats 3 --settle-s 20 --expect-wire ipc --trace "${GPU_ARGS[@]}"
   ;;
 c)
-  run timeout $(( $(left) - 15 )) bash "$HERE/equivalence.sh" "$W/eq" reference vanilla \
-    staged-contiguous push-contiguous kvcached-pd-staged push mixed-p mixed-d blocksize \
-    negative --model "$TINY" --parallel 2 --push-concurrent --expect-wire ipc \
+  read -r -a eq_modes <<< "${COLO_EQ_MODES:-reference vanilla staged-contiguous \
+push-contiguous kvcached-pd-staged push mixed-p mixed-d blocksize negative}"
+  run timeout $(( $(left) - 15 )) bash "$HERE/equivalence.sh" "$W/eq" "${eq_modes[@]}" \
+    --model "$TINY" --parallel 2 --push-concurrent --expect-wire ipc \
     --deadline-s $(( $(left) - 35 )) --extra-serve-args=--enable-prefix-caching \
     "${GPU_ARGS[@]}" --single-gpu "$P_GPU" "${PORT_ARGS[@]}"
   echo "rc equivalence=$?"
@@ -155,10 +158,10 @@ d)
   ;;
 e)
   [ "$DRY" = 1 ] || mkdir -p "$W/probe"
-  run timeout 150 python3 "$HERE/probe_cuda_ipc.py" --out "$W/probe/probe.json" \
+  [ "${COLO_PROBES:-1}" = 1 ] && run timeout 150 python3 "$HERE/probe_cuda_ipc.py" --out "$W/probe/probe.json" \
     --sizes-mib 94,1024
   echo "rc probe=$?"
-  if [ -f "$HERE/ipc_selftest.py" ]; then  # the same question asked of kvcached-pd's own layer
+  if [ "${COLO_PROBES:-1}" = 1 ] && [ -f "$HERE/ipc_selftest.py" ]; then  # the same question asked of kvcached-pd's own layer
     run timeout 150 python3 "$HERE/ipc_selftest.py" --out "$W/probe/selftest.json"
     echo "rc selftest=$?"
   fi

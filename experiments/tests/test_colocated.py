@@ -392,6 +392,20 @@ def test_part_e_kills_the_roles_asked_for_with_the_parts_whole_time(tmp_path, mo
                                                  ("prefill", ["kvpd-staged", "kvpd-push"])]
 
 
+def test_part_c_runs_the_modes_asked_for_and_part_e_can_skip_its_probes(tmp_path, models):
+    """COLO_EQ_MODES runs what an earlier run's deadline cut (2026-11-26: P16/D32 and the
+    negative control on vLLM 0.30.0); COLO_PROBES=0 leaves part e the kills alone."""
+    (argv,) = _dry_run(tmp_path, "c", COLO_EQ_MODES="reference blocksize negative", **models)
+    a = equivalence.parse_args(_after(argv, "equivalence.sh"))
+    assert [m.name for m in pd_modes.resolve_modes(a.modes)] == ["reference", "blocksize",
+                                                                  "negative"]
+    for probes, want in (("1", 2), ("0", 0)):
+        cmds = _dry_run(tmp_path, "e", COLO_PROBES=probes, **models)
+        assert len([argv for argv in cmds if any(x.endswith(("probe_cuda_ipc.py",
+                    "ipc_selftest.py")) for x in argv)]) == want
+        assert len([argv for argv in cmds if any(x.endswith("traffic.sh") for x in argv)]) == 2
+
+
 def test_a_port_base_reaches_every_harness_of_a_part(tmp_path, models):
     for part in "bcdef":
         for argv in _dry_run(tmp_path, part, COLO_PORT_BASE="23000", **models):
