@@ -545,7 +545,9 @@ def test_an_unmapped_peer_leaves_nothing_in_d_holding_p_staging(staged_env, ipc,
                                                                 caplog):
     """Only the last reference to the mapped tensor closes the IPC handle, and only then
     can the GPU free a dead P's staging. On 2 x H200 (2026-11-26, P killed mid-load)
-    push mode's D gave P's 2 GiB back at the idle unmap and pull mode's did not. Here,
+    push mode's D gave P's 2 GiB back at the idle unmap and pull mode's did not (the
+    holder turned out to be UCX's own mapping, not a Python reference:
+    ``test_an_ipc_peer_is_loaded_without_its_memory``). Here,
     in pull mode, with what that run went through (loads on both paths, one refused by
     its tag, DONEs that no longer reach P): once the peer is unmapped, nothing in D's
     Python objects still refers to P's staging. The fake maps a tensor object of D's
