@@ -173,6 +173,37 @@ def test_a_nixl_wire_peer_is_loaded_with_its_staging(staged_env, ipc, monkeypatc
     assert _read_p_staging(d) == "read"
 
 
+def test_a_peer_first_loaded_without_its_memory_is_read_over_nixl_once_ipc_fails(
+        staged_env, ipc, reads):
+    """D loaded P's agent without its memory for the IPC wire; after the idle unmap its
+    next handshake cannot map P (here: the open fails) and falls back to NIXL, which
+    loads P's whole agent over the first, so READs find P's staging. The request that
+    the scheduler had already made synchronous (it learns of the unmap a step later)
+    fails its load alone, as the README says of a re-map in its step; the next one is
+    read over NIXL."""
+    p = pd.make_engine("p", "kv_producer", seed=57)
+    d = pd.make_engine("d", "kv_consumer", seed=58)
+    prompt = list(range(9, 52))
+    handoff(p, d, "r1", prompt)
+    assert wire_of(d).name == "ipc" and reads == []
+    assert wait_unmapped(d.worker._decode_worker), "the idle peer stayed mapped"
+    ipc.fail_open = "the peer runs in another IPC namespace on this host"
+    invalid = pd.record_load_errors(d)
+    d.sched.add_request(pd.decode_request("d-r2", prompt, pd.prefilled(p, "r2", prompt)))
+    assert pd.run([p, d], lambda: "d-r2" in d.outputs and d.outputs["d-r2"].finished,
+                  timeout_s=30), "d-r2 never finished"
+    assert invalid, "the synchronous load after the fallback did not fail"
+    params, p_blocks, d_blocks = handoff(p, d, "r3", list(range(60, 110)))
+    assert same_kv(p, d, p_blocks, d_blocks, 50)
+    assert wire_of(d).name == "nixl" and len(reads) == 1
+    assert saw_done(p, d, "r3")
+    # D holds nothing; P holds only the failed request's extent, for its lease (no DONE
+    # frees an extent whose load failed)
+    assert pd.run([p, d], lambda: not d.sched.requests and staging_used(d) == 0
+                  and set(p.connector._prefill.staged) == {"r2"}, timeout_s=10), \
+        sorted(p.connector._prefill.staged)
+
+
 def test_an_older_prefill_without_notify_metadata_is_loaded_whole(staged_env, ipc,
                                                                   monkeypatch):
     """A P of an older build sends no ``notify_metadata``: D loads its whole agent, as
