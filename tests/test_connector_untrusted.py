@@ -10,6 +10,7 @@ another's output, or free another request's extent or blocks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 import types
@@ -19,6 +20,7 @@ import torch
 
 from kvcached_pd.connector.wire import PARAMS_KEY
 from tests.support import connector_pd as pd
+from tests.test_connector_ipc_wire import ipc  # noqa: F401 (fixture)
 from tests.test_connector_pd import loaded, saw_done, staged_env  # noqa: F401 (fixture)
 
 PROMPT = list(range(1, 41))
@@ -394,27 +396,38 @@ def test_any_claim_reply_is_checked_params_or_a_wire_error():
     check()
 
 
-def test_a_handshake_naming_another_agent_than_its_metadata_loads_fails_its_loads(
-        staged_env, caplog, monkeypatch):
+@pytest.mark.parametrize("wire", ["nixl", "ipc"])
+@pytest.mark.parametrize("forged, error", [
+    ({"agent_name": "kvcached-pd-someone-else"}, "its metadata loads"),
+    ({"notify_metadata": b"not a NIXL agent"}, "no handshake with prefill"),
+], ids=["another-agent-name", "garbage-notify-metadata"])
+def test_a_handshake_whose_agent_cannot_be_loaded_as_named_fails_only_its_loads(
+        staged_env, ipc, caplog, monkeypatch, wire, forged, error):
     """D names P's agent by the handshake's ``agent_name`` (it picks the wire before
-    loading the agent, so that an IPC peer is loaded without its memory). A handshake
-    whose metadata loads another agent would aim D's READs and DONEs at that agent: the
-    handshake is refused, the requests of that P fail their loads, D serves on."""
+    loading the agent, so that an IPC peer is loaded without its memory, from the
+    handshake's ``notify_metadata``). A handshake whose metadata loads another agent
+    would aim D's READs and DONEs at that agent; metadata NIXL cannot read raises. Either
+    way the handshake is refused, that P's requests fail their loads, D serves on. The
+    garbage ``notify_metadata`` is loaded only on the IPC wire: on the NIXL wire D loads
+    the whole agent and serves."""
     from kvcached_pd.connector import region as region_mod
 
+    monkeypatch.setenv("KVCACHED_PD_WIRE", wire)
     caplog.set_level(logging.ERROR, logger="kvcached_pd")
     real = region_mod.StagingRegion.handshake
 
     def lying(self, engine_id):
-        import dataclasses
-        return dataclasses.replace(real(self, engine_id), agent_name="kvcached-pd-someone-else")
+        return dataclasses.replace(real(self, engine_id), **forged)
     monkeypatch.setattr(region_mod.StagingRegion, "handshake", lying)
     p = pd.make_engine("p", "kv_producer", seed=61)
     d = pd.make_engine("d", "kv_consumer", seed=62)
-    params, _ = prefill(p, "a1", PROMPT)
+    params, p_blocks = prefill(p, "a1", PROMPT)
     d_blocks, failed = decode(p, d, "d-a1", PROMPT, params)
+    if wire == "nixl" and "notify_metadata" in forged:
+        assert not failed and same_kv(p, p_blocks, d, d_blocks)
+        return
     assert failed and d_blocks is None
-    assert "its metadata loads" in caplog.text
+    assert error in caplog.text
     monkeypatch.setattr(region_mod.StagingRegion, "handshake", real)
     p2 = pd.make_engine("p2", "kv_producer", seed=63)
     params, p_blocks = prefill(p2, "a2", OTHER)

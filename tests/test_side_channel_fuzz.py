@@ -57,6 +57,14 @@ records = st.sampled_from([
     RankHandshake(2, "p", 0, 1, "agent", b"\x00" * 40, 1 << 30, 1 << 26, 0, "DRAM",
                   {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16",
                    "version": 1}, 0, 2, "0" * 16).encode(),
+    # with the optional fields: the IPC export and the agent without its memory
+    RankHandshake(3, "p", 0, 1, "agent", b"\x00" * 40, 1 << 30, 1 << 26, 0, "VRAM",
+                  {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16",
+                   "version": 3}, 0, 2, "0" * 16,
+                  ipc={"host": "boot/ipc:1", "device_uuid": "GPU-0", "nbytes": 1 << 26,
+                       "memory": [b"\x01" * 64, 1 << 26, 0, "ref", 0, b"\x02" * 64, True],
+                       "events": [b"\x03" * 64]},
+                  notify_metadata=b"\x04" * 30).encode(),
 ])
 
 
