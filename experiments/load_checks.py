@@ -135,11 +135,13 @@ def check_memory_returned(killed: str, before: dict, idle: dict,
     - the survivor's KV memory returned: kvcached's pages in use no more than before the
       load (+ ``kv_tolerance_mib``, two pages of the tiny model's contiguous layout; n/a
       for a survivor without kvcached);
-    - the dead instance's device memory came back to the GPU: the GPU's memory in use
-      fell by at least what the dead one held before the load, less ``gpu_tolerance_mib``
-      (the survivor's kvcached may map a few pages ahead meanwhile). Where the survivor
-      still maps memory the dead one exported (a staging region opened through CUDA IPC),
-      that memory stays allocated and the drop falls short by its size.
+    - the dead instance's device memory came back to its GPU: the memory in use on the
+      dead one's GPU (``gpu_before``/``gpu_idle``: that GPU's readings, the survivor's
+      too when they share it) fell by at least what the dead one held before the load,
+      less ``gpu_tolerance_mib`` (the survivor's kvcached may map a few pages ahead
+      meanwhile). Where the survivor still maps memory the dead one exported (a staging
+      region opened through CUDA IPC), that memory stays allocated and the drop falls
+      short by its size.
 
     ``before``/``idle``: role -> instance reading (gpu_memory.instance_memory). A part
     that cannot be read is absent; n/a only when the machine gives no reading at all
@@ -168,7 +170,7 @@ def check_memory_returned(killed: str, before: dict, idle: dict,
         drop = gpu_before - gpu_idle
         ok = drop >= held - gpu_tolerance_mib
         states.append(PASS if ok else FAIL)
-        parts.append(f"the GPU's memory in use fell by {drop:.0f} MiB, {killed} held "
+        parts.append(f"the memory in use on {killed}'s GPU fell by {drop:.0f} MiB, {killed} held "
                      f"{held:.0f} MiB" + ("" if ok else " (not all returned)"))
     readable = [x for x in states if x != ABSENT]
     if FAIL in states:

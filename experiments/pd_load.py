@@ -303,11 +303,14 @@ class LoadHarness:
             readings[role] = reading
         return readings
 
-    def gpu_used(self, run: ModeRun) -> float | None:
-        """The memory in use on D's GPU (all processes; P shares it in colocated runs)."""
+    def gpu_used(self, run: ModeRun, role: str = "decode") -> float | None:
+        """The memory in use on ``role``'s GPU (all processes; P and D share it in
+        colocated runs). After a kill the check reads the killed instance's GPU: across
+        two GPUs (2 x H100, 2026-11-26) the kill-P check read D's GPU, where P's memory
+        never was, and said "fell by -84 MiB" whatever P's GPU gave back."""
         used = gpu_used_mib()
-        # D's own GPU: the first of those it sees ("1,0": D on GPU 1, P's GPU visible too)
-        return None if used is None else used.get(run.ports["decode"]["gpu"].split(",")[0])
+        # the role's own GPU: the first of those it sees ("1,0": D on GPU 1, P's visible too)
+        return None if used is None else used.get(run.ports[role]["gpu"].split(",")[0])
 
     def wait_gpu_returned(self, run: ModeRun, before: dict, gpu_before: float | None,
                           tolerance_mib: float = 512) -> float | None:
@@ -322,7 +325,7 @@ class LoadHarness:
             return None
         t0 = time.monotonic()
         while True:
-            used = self.gpu_used(run)
+            used = self.gpu_used(run, "prefill")
             if used is not None and gpu_before - used >= held - tolerance_mib:
                 return round(time.monotonic() - t0, 1)
             if time.monotonic() - t0 > DECODE_IDLE_UNMAP_S + 15:
@@ -340,6 +343,8 @@ class LoadHarness:
         a = self.a
         memory = {"before": self.memory(run)}
         gpu = {"before": self.gpu_used(run)}
+        if kill:  # the killed instance's GPU (D's own when P and D share one)
+            gpu["killed_before"] = self.gpu_used(run, a.kill)
         before = self.scrape(run)
         proxy_before = self.proxy_stats(run)
         timer = None
@@ -384,6 +389,8 @@ class LoadHarness:
             if run.instances["decode"].alive() else None
         memory["after_load"] = self.memory(run)
         gpu["after_load"] = self.gpu_used(run)
+        if kill:
+            gpu["killed_after_load"] = self.gpu_used(run, a.kill)
         if kill:  # after D's counters are read: the probes make D compute prompts itself
             checks["survivor"] = self.survivor_check(run)
         window = a.settle_s
@@ -402,9 +409,12 @@ class LoadHarness:
             window = max(window, a.kv_lease_s + 15)
         readings = self.settle_staging(run, window)
         if kill and a.kill == "prefill":
-            rep["gpu_returned_s"] = self.wait_gpu_returned(run, memory["before"], gpu["before"])
+            rep["gpu_returned_s"] = self.wait_gpu_returned(run, memory["before"],
+                                                           gpu["killed_before"])
         memory["idle"] = self.memory(run)
         gpu["idle"] = self.gpu_used(run)
+        if kill:
+            gpu["killed_idle"] = self.gpu_used(run, a.kill)
         after = self.scrape(run)
         checks["outputs"] = check_outputs(requests, self.reference, self.faulty)
         checks["requests"] = check_requests(requests, self.faulty)
@@ -445,7 +455,8 @@ class LoadHarness:
         if kill:
             survivor = "decode" if a.kill == "prefill" else "prefill"
             checks["memory"] = check_memory_returned(
-                a.kill, memory["before"], memory["idle"], gpu["before"], gpu["idle"],
+                a.kill, memory["before"], memory["idle"], gpu["killed_before"],
+                gpu["killed_idle"],
                 survivor_kvcached=run.ports[survivor]["env"].get("ENABLE_KVCACHED") == "true")
             if rep.get("gpu_returned_s") is not None:
                 checks["memory"]["detail"] += (f"; returned {rep['gpu_returned_s']:g} s after "
@@ -899,6 +910,12 @@ def render_memory(doc: dict) -> list[str]:
         if any(gpu.get(p) is not None for p in MEMORY_POINTS):
             gpu_rows.append(f"  {name:<14} " + " / ".join(
                 "-" if gpu.get(p) is None else f"{gpu[p]:.0f}" for p in MEMORY_POINTS))
+        killed = [gpu.get(p) for p in ("killed_before", None, "killed_after_load",
+                                       "killed_idle")]
+        if any(x is not None for x in killed):  # a kill: the dead instance's GPU too
+            gpu_rows.append(f"  {name:<14} " + " / ".join(
+                "-" if x is None else f"{x:.0f}" for x in killed)
+                + "  (the killed instance's GPU)")
         mem = r.get("memory")
         if not mem:
             continue

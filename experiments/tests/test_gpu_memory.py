@@ -65,3 +65,15 @@ def test_summary_table_and_staging_line(tmp_path):
     assert "3+160 / 3+160 / 3+160 / 3+160" in lines[2]
     assert lines[2].rstrip().endswith("4096")
     assert render_memory({"modes": {"vanilla": {}}}) == []
+
+
+def test_summary_prints_the_killed_instances_gpu_beside_ds():
+    # across two GPUs a killed P's memory is on P's GPU; D's column alone hid it (2026-11-26)
+    gpu = {"before": 7691.0, "peak_load": 8559.0, "after_load": 7775.0, "idle": 7775.0,
+           "killed_before": 7676.0, "killed_after_load": 5628.0, "killed_idle": 3838.0}
+    lines = render_memory({"modes": {"kvpd-staged": {"gpu_used_mib": gpu}}})
+    assert any("7691 / 8559 / 7775 / 7775" in line for line in lines)
+    killed = [line for line in lines if "killed instance's GPU" in line]
+    assert len(killed) == 1 and "7676 / - / 5628 / 3838" in killed[0]
+    no_kill = render_memory({"modes": {"vanilla": {"gpu_used_mib": {"before": 1.0}}}})
+    assert not any("killed" in line for line in no_kill)

@@ -409,11 +409,12 @@ def test_after_a_prefill_kill_the_harness_waits_for_ds_idle_unmap_before_reading
     product = float(re.search(r"^IDLE_UNMAP_S = ([0-9.]+)", src, re.M).group(1))
     assert pd_load.DECODE_IDLE_UNMAP_S == product
 
-    class Stub:  # the GPU in use: P's 3838 MiB go back three readings after the load
+    class Stub:  # P's GPU in use: P's 3838 MiB go back three readings after the load
         def __init__(self, readings):
             self.readings = list(readings)
 
-        def gpu_used(self, run):
+        def gpu_used(self, run, role="decode"):
+            assert role == "prefill"  # the killed P's GPU, not D's (they differ across GPUs)
             return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
 
     monkeypatch.setattr(pd_load.time, "sleep", lambda s: None)
@@ -426,3 +427,25 @@ def test_after_a_prefill_kill_the_harness_waits_for_ds_idle_unmap_before_reading
     held = Stub([18430.0])  # 1712 MiB fell: P's staging still mapped by D
     assert wait(held, None, before, 20142.0) is None
     assert wait(held, None, {}, 20142.0) is None  # nothing to compare with
+
+
+def test_the_kill_checks_read_the_killed_instances_gpu_across_two_gpus(monkeypatch):
+    # 2 x H100, 2026-11-26: P on GPU 0, D on GPU 1 seeing "1,0"; the kill-P check read
+    # D's GPU 1 (the first D sees) and said "fell by -84 MiB": P's memory was never there.
+    import pd_load
+
+    readings = {"0": 3900.0, "1": 7700.0}
+    monkeypatch.setattr(pd_load, "gpu_used_mib", lambda: dict(readings))
+
+    class Run:
+        ports = {"prefill": {"gpu": "0"}, "decode": {"gpu": "1,0"}}
+
+    harness = pd_load.LoadHarness.__new__(pd_load.LoadHarness)
+    assert harness.gpu_used(Run()) == 7700.0  # D's own GPU: the summary's column
+    assert harness.gpu_used(Run(), "decode") == 7700.0
+    assert harness.gpu_used(Run(), "prefill") == 3900.0  # where a killed P's memory was
+
+    monkeypatch.setattr(pd_load.time, "sleep", lambda s: None)
+    before = {"prefill": {"device_mib": 3838.0}}
+    readings["0"] = 62.0  # P's GPU got P's memory back; D's GPU did not move
+    assert harness.wait_gpu_returned(Run(), before, 3900.0) is not None
