@@ -138,3 +138,19 @@ def test_a_started_session_gives_each_lane_its_gpu_and_ports(tmp_path):
     assert (work / "colo-d" / "lane.txt").read_text().split() == [
         "COLO_PORT_BASE=23000", "gpu", "1"]
     assert "command not found" not in (tmp_path / "s" / "lane-C.log").read_text()
+
+
+def test_cross_gpu_steps_are_gated_by_their_own_times_not_the_one_gpu_ones():
+    # 2 x H100, 2026-11-26: cross-b took 216-253 s but was gated by colo-b's 9 minutes
+    # (one GPU, NIXL pairs at 0.5 GB/s), which left cross-d no room in a 1 080 s session
+    src = open(SESSION).read()
+    est = src[src.index("est() {"):src.index("\n}\n", src.index("est() {")) + 3]
+
+    def minutes(step):
+        out = subprocess.run(["bash", "-c", est + f"est {step}"], capture_output=True,
+                             text=True, timeout=30, env={"PATH": os.environ["PATH"]})
+        return int(out.stdout)
+
+    assert minutes("cross-b") * 60 >= 253 and minutes("cross-b") < minutes("colo-b")
+    assert minutes("cross-a") * 60 >= 123 and minutes("cross-a") < minutes("colo-a")
+    assert minutes("cross-b@030") == minutes("cross-b")
