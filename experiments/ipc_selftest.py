@@ -15,6 +15,16 @@ how much of the GPU's memory came back (``freed_mib_on_unmap``; the peer's 1 GiB
 should): on 2 x H200 (2026-11-26) a killed P's staging stayed held after a pull-mode D
 dropped its mapping.
 
+With the two processes on two GPUs (``--peer-device 0 --device 1``) the staging lives on
+the peer's GPU, which the decode side's own free memory does not show: the driver's
+memory in use on the peer's GPU (nvidia-smi) is read with both alive, after the peer's
+death and after the decode side dropped the mapping (``peer_gpu_used_mib``), and
+``freed_on_peer_gpu_mib`` says which of the two returned the staging. On 2 x H100
+(2026-11-26, seventh session) a D on GPU 1 logged "rose by 0 MiB" for P's GPU at its
+unmap of a killed P, where on one GPU it logs 2048: either P's death already freed it
+across GPUs or something still holds it; this tells the two apart in a minute, without
+vLLM.
+
 usage: python experiments/ipc_selftest.py [--device 0] [--peer-device 0] [--out result.json]
 Prints one JSON object (and writes it with --out). Needs a GPU.
 """
@@ -135,12 +145,34 @@ def use_mapping_as_decode_does(torch, mapped, dev) -> dict:
     return {"free_mib_held": round(torch.cuda.mem_get_info(dev)[0] / MIB)}
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", type=int, default=0, help="the decode process's GPU")
     ap.add_argument("--peer-device", type=int, default=0, help="the prefill process's GPU")
+    ap.add_argument("--settle-s", type=float, default=3.0,
+                    help="seconds between the peer's death and reading its GPU")
     ap.add_argument("--out")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def peer_gpu_reading(device: int) -> float | None:
+    """The memory in use on ``device`` (all processes, nvidia-smi), or None."""
+    from gpu_memory import gpu_used_mib
+
+    used = gpu_used_mib()
+    return None if used is None else used.get(str(device))
+
+
+def freed_on_peer_gpu(used: dict) -> dict:
+    """What the peer's death and the decode side's unmap each gave back to the peer's
+    GPU, from ``peer_gpu_used_mib``'s three readings (None where one is missing)."""
+    alive, dead, unmapped = (used.get(k) for k in ("both_alive", "peer_killed", "unmapped"))
+    return {"by_death": None if alive is None or dead is None else alive - dead,
+            "by_unmap": None if dead is None or unmapped is None else dead - unmapped}
+
+
+def main() -> int:
+    a = parse_args()
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
@@ -152,12 +184,20 @@ def main() -> int:
     result: dict = {"prefill_gpu": a.peer_device, "decode_gpu": a.device}
     kind, part = d_conn.recv()
     result.update(part)
+    used: dict = {}
     if kind == "ready":
+        used["both_alive"] = peer_gpu_reading(a.peer_device)
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
+        time.sleep(a.settle_s)  # the driver tears the dead context down
+        used["peer_killed"] = peer_gpu_reading(a.peer_device)
         d_conn.send("killed")
-        kind, part = d_conn.recv()
+        kind, part = d_conn.recv()  # the decode side has dropped the mapping
         result.update(part)
+        time.sleep(a.settle_s)
+        used["unmapped"] = peer_gpu_reading(a.peer_device)
+        result["peer_gpu_used_mib"] = used
+        result["freed_on_peer_gpu_mib"] = freed_on_peer_gpu(used)
     d.join(60)
     result["decode_exitcode"] = d.exitcode
     text = json.dumps(result, indent=1, sort_keys=True)

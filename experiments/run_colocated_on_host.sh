@@ -34,7 +34,8 @@
 #          mode only, twice; COLO_KILLS=decode gives it the whole part), each ROLE or
 #          ROLE:MODES (e.g. "decode:kvpd-push": that role killed under those load modes
 #          only; default kvpd-staged,kvpd-push). COLO_PROBES=0: the kills alone (the
-#          probes' answers are known by now and take a minute of the part).
+#          probes' answers are known by now and take a minute of the part);
+#          COLO_PROBES=selftest: ipc_selftest.py alone (~30 s), on P's and D's GPUs.
 #   PART f (~6 min): UCX faults (tiny 64/16, one repeat): experiments/ucx_fault's
 #          injector preloaded into P and D fails every 8th UCX operation it hooks, on both
 #          sides: vanilla PD, kvcached-pd pull and push on the default wire (CUDA IPC: the
@@ -161,8 +162,11 @@ e)
   [ "${COLO_PROBES:-1}" = 1 ] && run timeout 150 python3 "$HERE/probe_cuda_ipc.py" --out "$W/probe/probe.json" \
     --sizes-mib 94,1024
   echo "rc probe=$?"
-  if [ "${COLO_PROBES:-1}" = 1 ] && [ -f "$HERE/ipc_selftest.py" ]; then  # the same question asked of kvcached-pd's own layer
-    run timeout 150 python3 "$HERE/ipc_selftest.py" --out "$W/probe/selftest.json"
+  if [ "${COLO_PROBES:-1}" != 0 ] && [ -f "$HERE/ipc_selftest.py" ]; then  # the same question asked of kvcached-pd's own layer
+    # on P's and D's GPUs (physical indices: no CUDA_VISIBLE_DEVICES here): across two
+    # GPUs it reads P's GPU at P's death and at D's unmap
+    run timeout 150 python3 "$HERE/ipc_selftest.py" --peer-device "$P_GPU" --device "$D_GPU" \
+      --out "$W/probe/selftest.json"
     echo "rc selftest=$?"
   fi
   read -r -a kills <<< "${COLO_KILLS:-decode prefill}"

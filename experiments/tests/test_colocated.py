@@ -467,3 +467,29 @@ def test_probe_conclusions_from_its_steps():
     dead = probe_cuda_ipc.conclusions({"importer_status_after_kill": "EOF", "gpu_used_mib": {}})
     assert dead["importer_survived_exporter_death"] is False
     assert dead["reads_old_bytes_after_death"] is None
+
+
+def test_part_e_runs_the_ipc_self_test_on_ps_and_ds_gpus(tmp_path, models):
+    """Across two GPUs the self-test must read P's GPU at P's death and at D's unmap
+    (2 x H100, 2026-11-26: D's unmap line said 0 MiB for P's GPU, and nothing read P's
+    GPU in between); COLO_PROBES=selftest runs it without the slower probe."""
+    import ipc_selftest
+
+    for gpus, probes, want in (("0 1", "selftest", (0, 1)), ("0 0", "1", (0, 0))):
+        cmds = _dry_run(tmp_path, "e", COLO_PROBES=probes, KVPD_GPUS=gpus, **models)
+        tests = [argv for argv in cmds if any(x.endswith("ipc_selftest.py") for x in argv)]
+        probe = [argv for argv in cmds if any(x.endswith("probe_cuda_ipc.py") for x in argv)]
+        assert len(tests) == 1 and len(probe) == (1 if probes == "1" else 0)
+        a = ipc_selftest.parse_args(_after(tests[0], "ipc_selftest.py"))
+        assert (a.peer_device, a.device) == want
+
+
+def test_the_self_test_says_whether_ps_death_or_ds_unmap_freed_ps_gpu():
+    import ipc_selftest
+
+    held = {"both_alive": 5000.0, "peer_killed": 4476.0, "unmapped": 3452.0}
+    assert ipc_selftest.freed_on_peer_gpu(held) == {"by_death": 524.0, "by_unmap": 1024.0}
+    at_death = {"both_alive": 5000.0, "peer_killed": 3452.0, "unmapped": 3452.0}
+    assert ipc_selftest.freed_on_peer_gpu(at_death) == {"by_death": 1548.0, "by_unmap": 0.0}
+    assert ipc_selftest.freed_on_peer_gpu({"both_alive": 1.0}) == {"by_death": None,
+                                                                   "by_unmap": None}
