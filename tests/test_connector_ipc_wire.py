@@ -9,7 +9,6 @@ import dataclasses
 import gc
 import logging
 import time
-import types
 import weakref
 
 import pytest
@@ -504,21 +503,24 @@ def test_the_unmap_says_how_much_of_the_gpus_memory_came_back(
     mapping whose memory stayed held apart from one never dropped."""
     caplog.set_level(logging.INFO, logger="kvcached_pd")
     reads = []
-    free = iter([10 << 30, 12 << 30])
+    used = iter([12 << 30, 10 << 30])
 
-    def free_bytes(device):
+    def used_bytes(device):
         reads.append(device)
-        return next(free)
-    monkeypatch.setattr(decode_mod, "_free_bytes", free_bytes)
+        return next(used)
+    monkeypatch.setattr(decode_mod, "_used_bytes", used_bytes)
     p = pd.make_engine("p", "kv_producer", seed=29)
     d = pd.make_engine("d", "kv_consumer", seed=30)
     handoff(p, d, "r1", list(range(11, 50)))
     worker = d.worker._decode_worker
-    # P's staging on a device of its own, as across two GPUs (the fake maps P's CPU
-    # tensor, on D's device): the figure must come from P's, not from D's
+    # across two GPUs, as cuda_ipc.open_staging maps it: the tensor on D's own GPU (the
+    # handle is opened in D's context, through peer access), the memory on P's; the
+    # figure must come from P's GPU (2 x H100, 2026-11-26: the line read the tensor's
+    # device, D's, and said 0 MiB for a killed P)
     wire = wire_of(d)
-    wire.mapped = types.SimpleNamespace(tensor=torch.empty(0, device="meta"))
-    device = torch.device("meta")
+    device = torch.device("meta")  # P's GPU, as D numbers it
+    wire.mapped = cuda_ipc.MappedStaging(wire.mapped.tensor, wire.mapped.events, device)
+    assert wire.mapped.tensor.device != device
     worker._unmap_idle_peers()
     assert reads == [], "the GPU's memory was read with nothing to unmap"
     assert wait_unmapped(worker), "the idle peer stayed mapped"
@@ -617,3 +619,20 @@ def test_an_unmapped_peer_leaves_nothing_in_d_holding_p_staging(staged_env, ipc,
     held = mapped_refs[0]()
     assert held is None, ("P's mapped staging is still referred to by " + ", ".join(
         type(r).__name__ for r in gc.get_referrers(held)))
+
+
+def test_the_unmaps_figure_is_read_without_opening_a_context_on_ps_gpu(monkeypatch):
+    """Across two GPUs the GPU read is P's; ``cudaMemGetInfo`` there would first create a
+    CUDA context of D's own on P's GPU (hundreds of MiB, for D's life) only for a log
+    line. The figure comes from NVML (torch.cuda.device_memory_used), or not at all."""
+    def no_context(*a, **k):
+        raise AssertionError("cudaMemGetInfo would open a context on P's GPU")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_context)
+    monkeypatch.setattr(torch.cuda, "device_memory_used", lambda device: 5 << 30)
+    assert decode_mod._used_bytes(torch.device("cuda", 1)) == 5 << 30
+
+    def no_nvml(device):
+        raise RuntimeError("NVML not available")
+    monkeypatch.setattr(torch.cuda, "device_memory_used", no_nvml)
+    assert decode_mod._used_bytes(torch.device("cuda", 1)) is None
+    assert decode_mod._used_bytes(torch.device("cpu")) is None

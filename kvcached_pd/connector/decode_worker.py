@@ -342,17 +342,18 @@ class DecodeWorker:
             for key, wire in wires:
                 if not wire.is_idle(self.idle_unmap_s, now):
                     continue
-                # the GPU holding P's staging: D's own, or P's across GPUs (2026-11-26:
-                # reading D's GPU across two of them said 0 MiB whatever came back)
+                # the GPU holding P's staging: D's own, or P's across GPUs (2026-11-26,
+                # twice: reading D's GPU across two of them said 0 MiB whatever came
+                # back; the mapped tensor names D's GPU, the wire names P's)
                 device = wire.device
-                before = _free_bytes(device)
+                before = _used_bytes(device)
                 if wire.close_if_idle(self.idle_unmap_s, now):
                     del self._peers[key]
                     self.ipc_news[key] = False
-                    dropped.append((wire, before, _free_bytes(device)))
+                    dropped.append((wire, before, _used_bytes(device)))
         for wire, before, after in dropped:
             freed = ("" if before is None or after is None else
-                     f"; the GPU's free memory rose by {(after - before) / (1 << 20):.0f} MiB")
+                     f"; the GPU's free memory rose by {(before - after) / (1 << 20):.0f} MiB")
             logger.info("kvcached-pd: unmapped prefill %s rank %d's staging after %.0f s "
                         "without requests (its next request maps it again)%s",
                         wire.handshake.engine_id, wire.handshake.tp_rank, self.idle_unmap_s,
@@ -644,13 +645,16 @@ class DecodeWorker:
             self._claims.close()
 
 
-def _free_bytes(device: torch.device | None) -> int | None:
-    """The free memory of a GPU (None on the CPU, or when it cannot be read)."""
+def _used_bytes(device: torch.device | None) -> int | None:
+    """The memory in use on a GPU, all processes (None on the CPU, or when it cannot be
+    read), through NVML, which opens no CUDA context there: across two GPUs the GPU read
+    is P's, where ``cudaMemGetInfo`` would first give D a context of its own (hundreds
+    of MiB of P's GPU for D's life) only for a log line's figure."""
     if device is None or device.type != "cuda":
         return None
     try:
-        return int(torch.cuda.mem_get_info(device)[0])
-    except Exception:  # noqa: BLE001 - only a log line's figure
+        return int(torch.cuda.device_memory_used(device))
+    except Exception:  # noqa: BLE001 - only a log line's figure (no NVML: no figure)
         return None
 
 

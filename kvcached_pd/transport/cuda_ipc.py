@@ -142,10 +142,23 @@ def export_staging(tensor: torch.Tensor) -> tuple[StagingExport, PackEvents]:
 
 @dataclass
 class MappedStaging:
-    """D: P's staging mapped into this process, and P's pack events opened here."""
+    """D: P's staging mapped into this process, and P's pack events opened here.
+
+    ``home``: the GPU holding P's staging, as this process numbers it. Across two GPUs
+    it is not ``tensor.device``: D opens the handle in its own GPU's context (peer
+    access), so the tensor names D's GPU while the memory, and what a dead P's staging
+    gives back when D drops it, is on P's (2 x H100, 2026-11-26: D's unmap line read
+    ``tensor.device`` and said "rose by 0 MiB" for a killed P). None: the tensor's own.
+    """
 
     tensor: torch.Tensor
     events: list[Any]
+    home: torch.device | None = None
+
+    @property
+    def holder(self) -> torch.device:
+        """The GPU whose memory this mapping keeps allocated once P is gone."""
+        return self.home if self.home is not None else self.tensor.device
 
     def wait_packed(self, slot: int, stream: Any) -> None:
         """Make ``stream`` wait for P's pack of step ``slot`` (module docstring)."""
@@ -160,18 +173,20 @@ class MappedStaging:
         return self.tensor[offset: offset + nbytes]
 
 
-def local_device_of(export: StagingExport, device: torch.device) -> tuple[int, str]:
-    """The index, in this process, of the GPU holding P's staging, and how D reaches it
-    ("same GPU" or "peer access from GPU n"); :class:`IpcUnavailable` when it cannot."""
+def local_device_of(export: StagingExport, device: torch.device) -> tuple[int, int, str]:
+    """Where D maps P's staging (its own GPU's index: across GPUs through peer access),
+    the index of the GPU holding it, both as this process numbers them, and how D
+    reaches it ("same GPU" or "peer access from GPU n to GPU m");
+    :class:`IpcUnavailable` when it cannot."""
     own = device.index if device.index is not None else torch.cuda.current_device()
     for index in range(torch.cuda.device_count()):
         if device_uuid(torch.device("cuda", index)) == export.device_uuid:
             if index == own:
-                return own, "same GPU"
+                return own, own, "same GPU"
             if not torch.cuda.can_device_access_peer(own, index):
                 raise IpcUnavailable(f"this GPU ({own}) cannot access the peer's GPU ({index}) "
                                      "directly (no NVLink/PCIe peer access)")
-            return own, f"peer access from GPU {own} to GPU {index}"
+            return own, index, f"peer access from GPU {own} to GPU {index}"
     raise IpcUnavailable(f"the peer's GPU {export.device_uuid} is not visible to this process "
                          "(CUDA_VISIBLE_DEVICES)")
 
@@ -182,7 +197,7 @@ def open_staging(export: StagingExport, device: torch.device) -> tuple[MappedSta
     _check_host(export.host)
     if device.type != "cuda":
         raise IpcUnavailable("this decode instance's staging is host memory")
-    index, how = local_device_of(export, device)
+    index, home, how = local_device_of(export, device)
     handle, size, offset, ref_handle, ref_offset, event_handle, sync = export.memory
     try:
         with torch.cuda.device(index):
@@ -193,4 +208,4 @@ def open_staging(export: StagingExport, device: torch.device) -> tuple[MappedSta
             events = [torch.cuda.Event.from_ipc_handle(index, h) for h in export.events]
     except Exception as exc:  # noqa: BLE001 - cudaIpcOpenMemHandle refused: NIXL serves
         raise IpcUnavailable(f"CUDA IPC open failed: {exc}") from exc
-    return MappedStaging(tensor, events), how
+    return MappedStaging(tensor, events, torch.device("cuda", home)), how
