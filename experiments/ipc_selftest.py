@@ -20,10 +20,9 @@ the peer's GPU, which the decode side's own free memory does not show: the drive
 memory in use on the peer's GPU (nvidia-smi) is read with both alive, after the peer's
 death and after the decode side dropped the mapping (``peer_gpu_used_mib``), and
 ``freed_on_peer_gpu_mib`` says which of the two returned the staging. On 2 x H100
-(2026-11-26, seventh session) a D on GPU 1 logged "rose by 0 MiB" for P's GPU at its
-unmap of a killed P, where on one GPU it logs 2048: either P's death already freed it
-across GPUs or something still holds it; this tells the two apart in a minute, without
-vLLM.
+(2026-11-26, seventh session) nothing read P's GPU after a kill (the load harness and
+D's unmap line both read D's GPU then; both fixed after): this answers it in a minute,
+without vLLM.
 
 usage: python experiments/ipc_selftest.py [--device 0] [--peer-device 0] [--out result.json]
 Prints one JSON object (and writes it with --out). Needs a GPU.
