@@ -62,11 +62,12 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
 est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instances started at once;
   # across two GPUs no NIXL pair moves KV at 0.5 GB/s: 2 x H100, 2026-11-26, cross-a took
-  # 100-123 s and cross-b 216-253 s, and cross-b's 9 minutes kept cross-d from starting)
+  # 100-123 s and cross-b 216-253 s, and cross-b's 9 minutes kept cross-c from starting;
+  # cross-d started with 300 s left ran 4 of its 5 abort repeats: 6 minutes)
   [ -n "${SESSION_FAKE_STEPS:-}" ] && { echo 0; return; }
   case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
-    cross-a) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d|cross-d) echo 5 ;; colo-b) echo 9 ;;
+    cross-a) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
     cross-b) echo 5 ;; colo-e|cross-e) echo 8 ;; colo-f|cross-f) echo 6 ;; *) echo 5 ;;
   esac
 }

@@ -154,3 +154,5 @@ def test_cross_gpu_steps_are_gated_by_their_own_times_not_the_one_gpu_ones():
     assert minutes("cross-b") * 60 >= 253 and minutes("cross-b") < minutes("colo-b")
     assert minutes("cross-a") * 60 >= 123 and minutes("cross-a") < minutes("colo-a")
     assert minutes("cross-b@030") == minutes("cross-b")
+    # started with its 5 minutes left, cross-d had 280 s and ran 4 of the 5 abort repeats
+    assert minutes("cross-d") * 60 - 20 > 280
