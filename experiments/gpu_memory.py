@@ -111,6 +111,12 @@ def gpu_used_mib() -> dict[str, float] | None:
     return None if text is None else parse_gpu_used(text)
 
 
+def gpu_used_on(index: str) -> float | None:
+    """:func:`gpu_used_mib` of one GPU (nvidia-smi's index), or None."""
+    used = gpu_used_mib()
+    return None if used is None else used.get(index)
+
+
 def parse_gpu_used(text: str) -> dict[str, float]:
     used: dict[str, float] = {}
     for line in text.splitlines():

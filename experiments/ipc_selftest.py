@@ -154,14 +154,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def peer_gpu_reading(device: int) -> float | None:
-    """The memory in use on ``device`` (all processes, nvidia-smi), or None."""
-    from gpu_memory import gpu_used_mib
-
-    used = gpu_used_mib()
-    return None if used is None else used.get(str(device))
-
-
 def freed_on_peer_gpu(used: dict) -> dict:
     """What the peer's death and the decode side's unmap each gave back to the peer's
     GPU, from ``peer_gpu_used_mib``'s three readings (None where one is missing)."""
@@ -171,6 +163,8 @@ def freed_on_peer_gpu(used: dict) -> dict:
 
 
 def main() -> int:
+    from gpu_memory import gpu_used_on  # beside this file; nvidia-smi, no CUDA context
+
     a = parse_args()
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
@@ -185,16 +179,16 @@ def main() -> int:
     result.update(part)
     used: dict = {}
     if kind == "ready":
-        used["both_alive"] = peer_gpu_reading(a.peer_device)
+        used["both_alive"] = gpu_used_on(str(a.peer_device))
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
         time.sleep(a.settle_s)  # the driver tears the dead context down
-        used["peer_killed"] = peer_gpu_reading(a.peer_device)
+        used["peer_killed"] = gpu_used_on(str(a.peer_device))
         d_conn.send("killed")
         kind, part = d_conn.recv()  # the decode side has dropped the mapping
         result.update(part)
         time.sleep(a.settle_s)
-        used["unmapped"] = peer_gpu_reading(a.peer_device)
+        used["unmapped"] = gpu_used_on(str(a.peer_device))
         result["peer_gpu_used_mib"] = used
         result["freed_on_peer_gpu_mib"] = freed_on_peer_gpu(used)
     d.join(60)

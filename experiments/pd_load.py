@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from load_checks import (ABSENT, FAIL, NA, PASS, check_alive, check_kv_loaded,
                          check_memory_returned, check_outputs, check_requests, check_staging,
                          check_wire, latency_stats, ms, staging_expected, verdict_of)
-from gpu_memory import PeakSampler, compute_apps_mib, gpu_used_mib, instance_memory
+from gpu_memory import PeakSampler, compute_apps_mib, gpu_used_on, instance_memory
 from load_client import AbortPlan, completion_body, run_load, stream_completion
 from pd_common import (M, Deadline, MetricSnapshot, Prompt, get, load_prompts, log,
                        make_prompt_text, metric_delta, post_json, scrape_metrics, write_json)
@@ -308,9 +308,8 @@ class LoadHarness:
         colocated runs). After a kill the check reads the killed instance's GPU: across
         two GPUs (2 x H100, 2026-11-26) the kill-P check read D's GPU, where P's memory
         never was, and said "fell by -84 MiB" whatever P's GPU gave back."""
-        used = gpu_used_mib()
         # the role's own GPU: the first of those it sees ("1,0": D on GPU 1, P's visible too)
-        return None if used is None else used.get(run.ports[role]["gpu"].split(",")[0])
+        return gpu_used_on(run.ports[role]["gpu"].split(",")[0])
 
     def wait_gpu_returned(self, run: ModeRun, before: dict, gpu_before: float | None,
                           tolerance_mib: float = 512) -> float | None:
@@ -391,7 +390,7 @@ class LoadHarness:
         gpu["after_load"] = self.gpu_used(run)
         if kill:
             gpu["killed_after_load"] = self.gpu_used(run, a.kill)
-        if kill:  # after D's counters are read: the probes make D compute prompts itself
+            # after D's counters are read: the probes make D compute prompts itself
             checks["survivor"] = self.survivor_check(run)
         window = a.settle_s
         if kill or a.ucx_fault_lib:
@@ -910,8 +909,9 @@ def render_memory(doc: dict) -> list[str]:
         if any(gpu.get(p) is not None for p in MEMORY_POINTS):
             gpu_rows.append(f"  {name:<14} " + " / ".join(
                 "-" if gpu.get(p) is None else f"{gpu[p]:.0f}" for p in MEMORY_POINTS))
-        killed = [gpu.get(p) for p in ("killed_before", None, "killed_after_load",
-                                       "killed_idle")]
+        # MEMORY_POINTS' order; no peak is sampled on the killed instance's GPU
+        killed = [gpu.get("killed_before"), None, gpu.get("killed_after_load"),
+                  gpu.get("killed_idle")]
         if any(x is not None for x in killed):  # a kill: the dead instance's GPU too
             gpu_rows.append(f"  {name:<14} " + " / ".join(
                 "-" if x is None else f"{x:.0f}" for x in killed)

@@ -595,7 +595,7 @@ def test_an_unmapped_peer_leaves_nothing_in_d_holding_p_staging(staged_env, ipc,
         own = torch.empty(0, dtype=src.dtype).set_(src.untyped_storage(), 0, src.shape,
                                                     src.stride())
         mapped_refs.append(weakref.ref(own))
-        return cuda_ipc.MappedStaging(own, mapped.events), how
+        return cuda_ipc.MappedStaging(own, mapped.events, mapped.home), how
     monkeypatch.setattr(cuda_ipc, "open_staging", open_staging)
     p = pd.make_engine("p", "kv_producer", seed=41)
     d = pd.make_engine("d", "kv_consumer", seed=42)

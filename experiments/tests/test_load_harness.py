@@ -432,10 +432,11 @@ def test_after_a_prefill_kill_the_harness_waits_for_ds_idle_unmap_before_reading
 def test_the_kill_checks_read_the_killed_instances_gpu_across_two_gpus(monkeypatch):
     # 2 x H100, 2026-11-26: P on GPU 0, D on GPU 1 seeing "1,0"; the kill-P check read
     # D's GPU 1 (the first D sees) and said "fell by -84 MiB": P's memory was never there.
+    import gpu_memory
     import pd_load
 
-    readings = {"0": 3900.0, "1": 7700.0}
-    monkeypatch.setattr(pd_load, "gpu_used_mib", lambda: dict(readings))
+    readings = {"0": 3900.0, "1": 7700.0}  # what nvidia-smi says per GPU
+    monkeypatch.setattr(gpu_memory, "gpu_used_mib", lambda: dict(readings))
 
     class Run:
         ports = {"prefill": {"gpu": "0"}, "decode": {"gpu": "1,0"}}

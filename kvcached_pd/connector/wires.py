@@ -137,7 +137,7 @@ class IpcWire(_Wire):
         """The GPU holding P's staging, as this process numbers it (None once dropped):
         P's across two GPUs, where the mapping itself sits in D's own GPU's context."""
         mapped = self.mapped
-        return mapped.holder if mapped is not None else None
+        return mapped.home if mapped is not None else None
 
     def is_idle(self, idle_s: float, now: float) -> bool:
         """Whether :meth:`close_if_idle` would drop the mapping now."""

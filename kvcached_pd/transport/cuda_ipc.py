@@ -148,17 +148,12 @@ class MappedStaging:
     it is not ``tensor.device``: D opens the handle in its own GPU's context (peer
     access), so the tensor names D's GPU while the memory, and what a dead P's staging
     gives back when D drops it, is on P's (2 x H100, 2026-11-26: D's unmap line read
-    ``tensor.device`` and said "rose by 0 MiB" for a killed P). None: the tensor's own.
+    ``tensor.device`` and said "rose by 0 MiB" for a killed P). On one GPU, D's own.
     """
 
     tensor: torch.Tensor
     events: list[Any]
-    home: torch.device | None = None
-
-    @property
-    def holder(self) -> torch.device:
-        """The GPU whose memory this mapping keeps allocated once P is gone."""
-        return self.home if self.home is not None else self.tensor.device
+    home: torch.device
 
     def wait_packed(self, slot: int, stream: Any) -> None:
         """Make ``stream`` wait for P's pack of step ``slot`` (module docstring)."""

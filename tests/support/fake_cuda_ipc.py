@@ -83,7 +83,8 @@ class FakeIpc:
         token = export.memory[0]
         tensor, events = self.exported[token]
         self.opened.append(token)
-        return cuda_ipc.MappedStaging(tensor, list(events.events)), "same GPU (fake)"
+        return cuda_ipc.MappedStaging(tensor, list(events.events), tensor.device), \
+            "same GPU (fake)"
 
     def device_events(self):
         return FakeStream(self), None, FakeEndEvent(self)

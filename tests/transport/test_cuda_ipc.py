@@ -47,8 +47,7 @@ def test_a_peer_gpu_d_cannot_reach_or_see_is_refused_with_the_reason(two_gpus):
         cuda_ipc.local_device_of(export_on("GPU-elsewhere"), torch.device("cuda", 0))
 
 
-def test_the_holder_of_a_mapping_is_its_home_gpu_else_the_tensors():
-    tensor = torch.empty(4, dtype=torch.uint8)
-    across = cuda_ipc.MappedStaging(tensor, [], torch.device("meta"))
-    assert across.holder == torch.device("meta") != tensor.device
-    assert cuda_ipc.MappedStaging(tensor, []).holder == tensor.device
+def test_a_mapping_cannot_be_made_without_naming_the_gpu_that_holds_it():
+    # the tensor's own device is D's across two GPUs: no default may stand in for P's
+    with pytest.raises(TypeError):
+        cuda_ipc.MappedStaging(torch.empty(4, dtype=torch.uint8), [])
