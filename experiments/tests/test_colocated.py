@@ -406,6 +406,20 @@ def test_part_c_runs_the_modes_asked_for_and_part_e_can_skip_its_probes(tmp_path
         assert len([argv for argv in cmds if any(x.endswith("traffic.sh") for x in argv)]) == 2
 
 
+def test_part_e_prints_a_status_only_for_the_probes_it_ran(tmp_path, models):
+    """2026-11-26 (eighth session): with COLO_PROBES=selftest part e printed "rc probe=1"
+    for the probe it skipped, which reads as a failed probe."""
+    for probes, want in (("1", {"probe", "selftest"}), ("selftest", {"selftest"}),
+                         ("0", set())):
+        res = subprocess.run(["bash", os.path.join(EXP, "run_colocated_on_host.sh"),
+                              str(tmp_path / "out"), "e"], capture_output=True, text=True,
+                             timeout=60, env=dict(os.environ, COLO_DRY_RUN="1",
+                                                  COLO_PROBES=probes, **models))
+        printed = {line.split("=")[0][3:] for line in res.stdout.splitlines()
+                   if line.startswith("rc ")}
+        assert printed & {"probe", "selftest"} == want
+
+
 def test_a_port_base_reaches_every_harness_of_a_part(tmp_path, models):
     for part in "bcdef":
         for argv in _dry_run(tmp_path, part, COLO_PORT_BASE="23000", **models):
