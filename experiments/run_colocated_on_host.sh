@@ -30,7 +30,7 @@
 #          kvcached-pd's own IPC layer), then D killed 1 s into a 128-request load, then P
 #          killed likewise (tiny; pull and push): the survivor serves, its memory returns.
 #          COLO_KILLS (default "decode prefill"): the roles killed, in order, the part's
-#          time split evenly among them (2026-11-26: half of 560 s held kill D in pull
+#          time split among them by load runs (2026-11-26: half of 560 s held kill D in pull
 #          mode only, twice; COLO_KILLS=decode gives it the whole part), each ROLE or
 #          ROLE:MODES (e.g. "decode:kvpd-push": that role killed under those load modes
 #          only; default kvpd-staged,kvpd-push). COLO_PROBES=0: the kills alone (the
@@ -171,15 +171,21 @@ e)
     echo "rc selftest=$?"
   fi
   read -r -a kills <<< "${COLO_KILLS:-decode prefill}"
-  n=${#kills[@]}
-  for kill in "${kills[@]}"; do  # the time left split evenly among the kills still to run
+  kill_modes() {  # kill_modes ROLE[:MODES]: the load modes that kill runs under
+    if [ "$1" = "${1%%:*}" ]; then echo kvpd-staged,kvpd-push; else echo "${1#*:}"; fi
+  }
+  runs=0  # the load runs still to come: the time left is split by runs, not by kills
+  for kill in "${kills[@]}"; do m=$(kill_modes "$kill"); runs=$(( runs + $(tr ',' '\n' <<< "$m" | wc -l) )); done
+  for kill in "${kills[@]}"; do
+    # (2026-11-26, eighth session: "decode:kvpd-push prefill" split evenly gave kill P's
+    # two runs 280 s, one run's time, so kill P in push mode never ran, on either step)
     role=${kill%%:*}
-    modes=kvpd-staged,kvpd-push
-    [ "$kill" = "$role" ] || modes=${kill#*:}
-    traffic "kill${role:0:1}" $(( ($(left) - 25) / n )) --model "$TINY" \
+    modes=$(kill_modes "$kill")
+    mine=$(tr ',' '\n' <<< "$modes" | wc -l)
+    traffic "kill${role:0:1}" $(( ($(left) - 25) * mine / runs )) --model "$TINY" \
       --modes "$modes" --push-concurrent --requests 128 --kill "$role" \
       --kill-at-s 1 --expect-wire ipc "${GPU_ARGS[@]}"
-    n=$(( n - 1 ))
+    runs=$(( runs - mine ))
   done
   ;;
 f)

@@ -390,6 +390,11 @@ def test_part_e_kills_the_roles_asked_for_with_the_parts_whole_time(tmp_path, mo
     runs = [pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]]) for argv in cmds]
     assert [(a.kill, a.modes) for a in runs] == [("decode", ["kvpd-push"]),
                                                  ("prefill", ["kvpd-staged", "kvpd-push"])]
+    # the time goes by load runs: one for kill D here, two for kill P (2026-11-26,
+    # eighth session: an even split gave kill P one run's time and its push run never ran)
+    shares = [int(x.split("=", 1)[1]) for argv in cmds for x in argv
+              if x.startswith("TRAFFIC_BUDGET_S=")]
+    assert len(shares) == 2 and 150 < shares[0] < 200 and shares[1] > 500
 
 
 def test_part_c_runs_the_modes_asked_for_and_part_e_can_skip_its_probes(tmp_path, models):
