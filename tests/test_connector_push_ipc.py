@@ -215,6 +215,48 @@ def test_a_claimed_request_vllm_cannot_allocate_yet_keeps_its_claim(
     assert not d.connector._decode.claiming and not d.connector._decode.claimed
 
 
+def test_a_claimed_request_held_back_past_its_read_deadline_is_not_read(
+        staged_env, ipc, sync_loads, claims, shut_down, caplog):
+    """D's scheduler claimed the params, then vLLM had no KV room for the request until
+    the READ's deadline (half of P's lease, less the claim's age) had passed: P may have
+    freed the extent at its lease and packed another request into it, and the tag check
+    runs before the scatter does on the device. So that load fails, unread; D lives and
+    the next request loads synchronously and exactly. (Until 2026-11-26's eighth session
+    the synchronous path never looked at the deadline: D unpacked it.)"""
+    import time
+
+    caplog.set_level(logging.ERROR, logger="kvcached_pd")
+    p, d = mapped_pair(shut_down, (73, 74))
+    dec = d.connector._decode
+    posted = []
+    pd.wrap_method(d.worker._decode_worker, "_unpack_ready",
+                   lambda real, ready: (posted.extend(r for r, _ in ready), real(ready))[1])
+    aged = []
+
+    def allocate_slots(real, request, *args, **kwargs):
+        if request.request_id == "c8" and not aged:
+            params, _deadline, failure = dec.claimed["c8"]
+            # the time vLLM holds it back: half of P's lease goes by
+            dec.claimed["c8"] = (params, time.monotonic() - 1.0, failure)
+            aged.append(request.request_id)
+            return None  # no room this step, as with a full KV cache
+        return real(request, *args, **kwargs)
+    pd.wrap_method(d.sched.kv_cache_manager, "allocate_slots", allocate_slots)
+    errors = pd.record_load_errors(d)
+    prompt = list(range(800, 850))
+    d.sched.add_request(pd.decode_request("c8", prompt, concurrent_params(p, "c8")))
+    p.sched.add_request(pd.prefill_request("c8", prompt))
+    assert pd.run([p, d], lambda: "c8" in d.outputs and d.outputs["c8"].finished), \
+        "D never ended the request"
+    assert aged == ["c8"], "vLLM never held the claimed request back"
+    assert errors, "D's load of a request past its READ deadline did not fail"
+    assert "past its READ deadline" in caplog.text
+    assert "c8" not in posted, "D read P's extent after its READ deadline"
+    both_legs(p, d, "c9", list(range(900, 940)))
+    assert sync_loads[-1] == "c9" and "c9" in posted
+    assert not dec.claiming and not dec.claimed
+
+
 def test_the_first_request_after_an_idle_unmap_loads_claimed_once(
         staged_env, ipc, sync_loads, claims, shut_down):
     """D's worker drops an idle peer's mapping on its own thread; D's scheduler hears of

@@ -380,6 +380,7 @@ def test_any_claim_reply_is_checked_params_or_a_wire_error():
     @example(status="ready", changes={"num_tokens": num_tokens + 1}, wholesale=False, age=0.5)
     @example(status="ready", changes={"format_digest": "e" * 64}, wholesale=False, age=0.5)
     @example(status="ready", changes={}, wholesale=False, age=float("nan"))
+    @example(status="ready", changes={"request_id": "r2"}, wholesale=False, age=0.5)
     def check(status, changes, wholesale, age):
         params = changes if wholesale else {**valid, **changes}
         reply = ClaimReply("r", status, params=params, age_s=age, reason="released")
@@ -392,6 +393,8 @@ def test_any_claim_reply_is_checked_params_or_a_wire_error():
         assert 0.0 <= age_read <= MAX_LEASE_S
         assert got.engine_id == "p-1" and got.format_digest == digest
         assert got.num_tokens == num_tokens and 0 < got.nbytes <= capacity
+        # another request's params (its tag is its own: the tag check would pass)
+        assert got.request_id == "r"
 
     check()
 

@@ -141,6 +141,12 @@ def read_claim_reply(target: ClaimTarget, reply: ClaimReply, digest: str, capaci
         raise WireError(f"prefill {target.engine_id} answered its claim with {exc}") from None
     if params is None or params.engine_id != target.engine_id:
         raise WireError(f"the claim was answered by another prefill than {target.engine_id}")
+    if base_request_id(params.request_id) != target.key:
+        # P's board answers a claim only with the request of that base id; params of
+        # another request would pass every other check here (and its tag: the tag is
+        # that request's), so D would unpack another prompt's KV into this one
+        raise WireError(f"prefill {target.engine_id} answered the claim for {target.key!r} "
+                        f"with the params of another request")
     if params.format_digest != digest or params.wire_version not in COMPATIBLE_WIRE_VERSIONS:
         raise WireError(f"prefill {target.engine_id}'s extent is in another packed format or wire")
     if params.num_tokens != num_tokens:

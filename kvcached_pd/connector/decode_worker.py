@@ -205,6 +205,16 @@ class DecodeWorker:
         goes to P once the unpack has run on the device (:meth:`_reap`), as on the
         asynchronous path. A failure is this step's invalid blocks (:meth:`_fail`)."""
         params = read.params
+        if time.monotonic() > read.deadline:
+            # Claimed params (push, concurrent legs) wait in D's scheduler while vLLM has
+            # no KV room for the request; past half of P's lease P may have freed the
+            # extent and packed another request into it, and the tag, read before the
+            # scatter runs on the device, would not tell. The asynchronous path checks
+            # the same deadline before it posts (_post_queued).
+            self._fail(req_id, read, "vLLM held it back past its READ deadline (half of "
+                       f"prefill {params.engine_id}'s {params.lease_s:.0f} s lease): the "
+                       "extent may hold another request's KV by now")
+            return False
         wire = None
         try:
             for _ in range(2):  # once more when the mapping was dropped as idle just now
