@@ -174,14 +174,15 @@ e)
   kill_modes() {  # kill_modes ROLE[:MODES]: the load modes that kill runs under
     if [ "$1" = "${1%%:*}" ]; then echo kvpd-staged,kvpd-push; else echo "${1#*:}"; fi
   }
+  count() { tr ',' '\n' <<< "$1" | wc -l; }  # count A,B,...: how many
   runs=0  # the load runs still to come: the time left is split by runs, not by kills
-  for kill in "${kills[@]}"; do m=$(kill_modes "$kill"); runs=$(( runs + $(tr ',' '\n' <<< "$m" | wc -l) )); done
+  for kill in "${kills[@]}"; do runs=$(( runs + $(count "$(kill_modes "$kill")") )); done
   for kill in "${kills[@]}"; do
     # (2026-11-26, eighth session: "decode:kvpd-push prefill" split evenly gave kill P's
     # two runs 280 s, one run's time, so kill P in push mode never ran, on either step)
     role=${kill%%:*}
     modes=$(kill_modes "$kill")
-    mine=$(tr ',' '\n' <<< "$modes" | wc -l)
+    mine=$(count "$modes")
     traffic "kill${role:0:1}" $(( ($(left) - 25) * mine / runs )) --model "$TINY" \
       --modes "$modes" --push-concurrent --requests 128 --kill "$role" \
       --kill-at-s 1 --expect-wire ipc "${GPU_ARGS[@]}"
