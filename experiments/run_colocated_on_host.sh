@@ -52,7 +52,8 @@
 #
 # Environment: KVPD_GPUS="P D" (default "0 0": both on GPU 0; on two GPUs D sees "D,P"
 #   unless KVPD_D_SEES_P=0), COLO_BUDGET_S (a part's
-#   seconds, default 560), COLO_ABORT_REPEATS (part d, default 5), TINY_MODEL=/tmp/tiny,
+#   seconds, default 560), COLO_ABORT_REPEATS (part d, default 5), COLO_TRACE=1 (part d with
+#   kvcached-pd's trace lines: the timeline of a differing output), TINY_MODEL=/tmp/tiny,
 #   KVBIG_MODEL=/tmp/kvbig, COLO_PORT_BASE (the harnesses' ports: below), KVCACHED_PD_FROM=checkout (this checkout first on PYTHONPATH)
 #   | installed, COLO_DRY_RUN=1 (print each harness command instead of running it: the
 #   offline tests check every part's arguments with the harnesses' own parsers).
@@ -155,7 +156,8 @@ push-contiguous kvcached-pd-staged push mixed-p mixed-d blocksize negative}"
   ;;
 d)
   traffic aborts $(( $(left) - 25 )) --model "$TINY" --modes kvpd-staged,kvpd-push \
-    --push-concurrent --issue-aborts --repeats "${COLO_ABORT_REPEATS:-5}" --expect-wire ipc "${GPU_ARGS[@]}"
+    --push-concurrent --issue-aborts --repeats "${COLO_ABORT_REPEATS:-5}" --expect-wire ipc "${GPU_ARGS[@]}" \
+    ${COLO_TRACE:+--trace}
   ;;
 e)
   [ "$DRY" = 1 ] || mkdir -p "$W/probe"

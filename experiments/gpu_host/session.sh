@@ -35,6 +35,8 @@
 #     colo-b, serve-cap (every step alone on the GPU).
 #   colo-e (either plan: not by default) run_colocated_on_host.sh part e: kill D, then P,
 #     mid-load; colo-f, cross-f: part f, UCX faults.
+#   chunks (not by default) chunk_split.py on the lane's GPU: greedy tokens per prefill cut
+#     of the prompts that differed once (CHUNKS_KNOWN below).
 # SESSION_PLAN replaces the plan: lanes separated by ';', each "NAME STEP..." (a lane named X
 # runs once the others are done), e.g. "T ab21 serve;C colo-b;X cross-a@033". A step named
 # STEP@TAG runs with the venv ${SESSION_VENV_ROOT:-/tmp}/vTAG first on PATH (another vLLM,
@@ -68,9 +70,18 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
     cross-a) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
-    cross-b) echo 5 ;; colo-e|cross-e) echo 8 ;; colo-f|cross-f) echo 6 ;; *) echo 5 ;;
+    cross-b) echo 5 ;; colo-e|cross-e) echo 8 ;; colo-f|cross-f) echo 6 ;; chunks) echo 3 ;;
+    *) echo 5 ;;
   esac
 }
+
+# chunks: the greedy tokens the load harness saw for two prompts that differed once
+# (2026-11-26g-h200x2-session): load-034-1167's reference and the push output that
+# differed from token 1, load-063-704's two references (the session's, the traced rerun's)
+CHUNKS_KNOWN="--known load-034-1167=reference:30958,17698,6849,16431,10944,18374,8933,31150 \
+--known load-034-1167=pd-push-differing:30958,24499,6716,692,21434,12906,7669,407 \
+--known load-063-704=reference-a:30952,24493,26373,18773,449,29445,30044,5974 \
+--known load-063-704=reference-b:30952,24493,26373,31781,7942,3015,8267,7377"
 
 lane_gpu() {  # lane_gpu LANE: the GPU a lane's colocated steps use (C: GPU 1 with two GPUs)
   if [ "$1" = C ]; then echo "$LANE_C_GPU"; else echo 0; fi
@@ -107,6 +118,8 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
                 "--modes vanilla,kvpd-staged,kvpd-push --push-concurrent --expect-wire ipc" \
                 "--kvcached-env KVCACHED_MAX_CACHED_TOKENS=200000" \
                 "--prefill-gpu 0 --decode-gpu 0 --deadline-s 420 --port-base 22000" ;;
+    chunks) echo "CUDA_VISIBLE_DEVICES=$LANE_GPU python3 experiments/chunk_split.py --out $w" \
+                 "--model /tmp/tiny --step 4 $CHUNKS_KNOWN" ;;
     colo-a) echo "KVPD_GPUS='0 0' bash experiments/run_colocated_on_host.sh $w a" ;;
     colo-b) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w b" ;;
     colo-c) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w c" ;;
@@ -181,7 +194,9 @@ plan() {  # the lanes, one per line: NAME STEP... (lane X: after the others)
 case $ACTION in
 start|dry)
   COMMIT=${2:?usage: session.sh start COMMIT}
-  SESSION_GPUS=${SESSION_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || echo 1)}
+  # (grep -c prints 0 and fails where nvidia-smi lists nothing: "|| echo 1" gave "0 1")
+  listed=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  SESSION_GPUS=${SESSION_GPUS:-$([ "${listed:-0}" -ge 1 ] && echo "$listed" || echo 1)}
   LANE_C_GPU=$([ "$SESSION_GPUS" -ge 2 ] && echo 1 || echo 0)
   if [ "$ACTION" = dry ]; then
     plan | while read -r name steps; do

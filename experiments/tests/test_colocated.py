@@ -411,6 +411,16 @@ def test_part_c_runs_the_modes_asked_for_and_part_e_can_skip_its_probes(tmp_path
         assert len([argv for argv in cmds if any(x.endswith("traffic.sh") for x in argv)]) == 2
 
 
+def test_part_d_traces_only_when_asked(tmp_path, models):
+    """COLO_TRACE=1 gives the aborts run kvcached-pd's trace lines (the eighth session's
+    differing output came from an untraced part d: nothing said what D did at the time)."""
+    for env, want in (({}, False), ({"COLO_TRACE": "1"}, True)):
+        (argv,) = [argv for argv in _dry_run(tmp_path, "d", **env, **models)
+                   if any(x.endswith("traffic.sh") for x in argv)]
+        a = pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]])
+        assert a.trace is want and a.issue_aborts
+
+
 def test_part_e_prints_a_status_only_for_the_probes_it_ran(tmp_path, models):
     """2026-11-26 (eighth session): with COLO_PROBES=selftest part e printed "rc probe=1"
     for the probe it skipped, which reads as a failed probe."""

@@ -111,6 +111,23 @@ def test_dry_run_of_a_plan_names_the_ab21_trees_and_serve_modes(tmp_path):
     assert "cross-a" not in out  # the plan replaced the default one
 
 
+def test_the_chunks_step_runs_on_its_lanes_gpu_with_arguments_its_script_parses(tmp_path):
+    import shlex
+    import sys
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    import chunk_split
+
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2", SESSION_PLAN="T colo-d;C chunks")
+    assert r.returncode == 0, r.stderr
+    (line,) = [line for line in r.stdout.splitlines() if line.startswith("C chunks:")]
+    argv = shlex.split(line.split(":", 1)[1])
+    assert argv[0] == "CUDA_VISIBLE_DEVICES=1" and argv[2].endswith("chunk_split.py")
+    known = chunk_split.parse_known([argv[i + 1] for i, x in enumerate(argv) if x == "--known"])
+    assert sorted(known) == ["load-034-1167", "load-063-704"]
+    assert len(known["load-034-1167"]["pd-push-differing"]) == 8
+
+
 def test_a_colocated_step_runs_on_its_own_lanes_gpu(tmp_path):
     """colo-b..colo-e take the GPU of the lane they are in: lane C's with two GPUs, GPU 0
     in lane T (2026-11-26: colo-e named in lane T ran on lane C's GPU 1, beside colo-c)."""
