@@ -160,9 +160,10 @@ def report(results: list[PromptResult], known: dict[str, dict[str, list[int]]]) 
 
 def vllm_generate(args) -> Generate:
     os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
-    from pd_servers import model_runner_env
+    from pd_servers import COMMON_VLLM_ENV, model_runner_env
 
-    for key, value in model_runner_env().items():
+    # the servers' settings: no flashinfer on the GPU host, the model runner they get
+    for key, value in {**COMMON_VLLM_ENV, **model_runner_env()}.items():
         os.environ.setdefault(key, value)
     from vllm import LLM, SamplingParams
 
