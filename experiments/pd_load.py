@@ -338,7 +338,10 @@ class LoadHarness:
         return PeakSampler(read, self.a.memory_sample_s)
 
     # ---- one load of one mode --------------------------------------------------------
-    def one_repeat(self, run: ModeRun, index: int, kill: bool) -> dict:
+    def one_repeat(self, run: ModeRun, index: int, kill: bool, final: bool = False) -> dict:
+        """``final``: with client aborts, this mode's last repeat (the last asked for, or
+        the last the deadline leaves room for): it waits out vLLM's KV lease and checks
+        that staging went back to 0 (earlier repeats only report what is still held)."""
         a = self.a
         memory = {"before": self.memory(run)}
         gpu = {"before": self.gpu_used(run)}
@@ -403,7 +406,6 @@ class LoadHarness:
         # leg never reached D's engine until vLLM's KV lease expires (its
         # kv_lease_duration, 30 s in vLLM 0.26; vanilla P holds its blocks just as long).
         # Every repeat reports what is still held; the last one waits out the lease.
-        final = index == a.repeats
         if self.aborts is not None and final:
             window = max(window, a.kv_lease_s + 15)
         readings = self.settle_staging(run, window)
@@ -649,15 +651,20 @@ class LoadHarness:
                     continue
                 window = a.abort_timeout_s + 15 if (a.kill and index == a.repeats) or \
                     a.ucx_fault_lib else a.settle_s
-                if self.aborts is not None and index == a.repeats:
-                    window = max(window, a.kv_lease_s + 15)
                 step_s = max(steps) if steps else 30.0
+                lease_window = max(window, a.kv_lease_s + 15)
+                final = self.aborts is not None and last_repeat_that_fits(
+                    index, a.repeats, self.deadline.remaining(), a.reserve_s, step_s, window,
+                    lease_window, sum(1 for r in pd_runs if not r.broken))
+                if final:
+                    window = lease_window
                 if self.deadline.remaining() < a.reserve_s + step_s + window:
                     self.notes.append(f"{run.mode.name}: repeat {index} not run: out of time "
                                       "(--deadline-s)")
                     continue
                 t0 = time.monotonic()
-                rep = self.one_repeat(run, index, kill=bool(a.kill) and index == a.repeats)
+                rep = self.one_repeat(run, index, kill=bool(a.kill) and index == a.repeats,
+                                      final=final)
                 steps.append(time.monotonic() - t0)
                 run.repeats.append(rep)
                 lat = rep["latency"]
@@ -795,6 +802,23 @@ class LoadHarness:
                     w.writerow({"mode": name, "repeat": "ttft-batch",
                                 "completed": run.ttft["latency"]["n"],
                                 **{k: v for k, v in run.ttft["latency"].items() if k in cols}})
+
+
+def last_repeat_that_fits(index: int, repeats: int, remaining_s: float, reserve_s: float,
+                          step_s: float, window_s: float, lease_window_s: float,
+                          modes: int) -> bool:
+    """Whether repeat ``index`` of a mode under client aborts is its last one: the last
+    asked for, or the last the deadline leaves room for. After it, the next repeat of
+    this mode would come after one repeat of each of the other ``modes - 1`` (each
+    ``step_s + window_s``) and need ``step_s + lease_window_s`` itself (it waits out
+    vLLM's KV lease). Before 2026-11-27 only ``index == repeats`` counted, so a run the
+    deadline cut short never checked that staging went back to 0 (its last repeat said
+    "staging n/a")."""
+    if index >= repeats:
+        return True
+    after_this = remaining_s - (step_s + window_s)
+    next_final = (modes - 1) * (step_s + window_s) + step_s + lease_window_s
+    return after_this < reserve_s + next_final and remaining_s >= reserve_s + step_s + lease_window_s
 
 
 def _faults_injected(reps: list[dict]) -> dict[str, int] | None:

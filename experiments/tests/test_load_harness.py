@@ -450,3 +450,18 @@ def test_the_kill_checks_read_the_killed_instances_gpu_across_two_gpus(monkeypat
     before = {"prefill": {"device_mib": 3838.0}}
     readings["0"] = 62.0  # P's GPU got P's memory back; D's GPU did not move
     assert harness.wait_gpu_returned(Run(), before, 3900.0) is not None
+
+
+def test_the_last_repeat_the_deadline_leaves_room_for_checks_staging():
+    """2026-11-27: two aborts runs cut by their deadline after 1-2 of 3 repeats reported
+    "staging n/a" for every repeat they ran: only repeat == --repeats waited out vLLM's KV
+    lease and checked that staging went back to 0, and that repeat never ran."""
+    fits = pd_load.last_repeat_that_fits
+    # (index, repeats, remaining, reserve, step, window, lease window, modes)
+    assert fits(3, 3, 1000, 20, 15, 5, 45, 2)  # the last asked for
+    assert not fits(1, 3, 1000, 20, 15, 5, 45, 2)  # room for the rest
+    # room for this repeat and the other mode's, not for this mode's next one with its lease
+    assert fits(1, 3, 90, 20, 15, 5, 45, 2)
+    assert not fits(1, 3, 130, 20, 15, 5, 45, 2)  # 130 - 20 = 110 >= 20 + 20 + 60
+    # no room to wait out the lease at all: an unchecked repeat beats none
+    assert not fits(1, 3, 60, 20, 15, 5, 45, 2)
