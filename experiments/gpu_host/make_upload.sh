@@ -9,6 +9,7 @@
 # travels with every upload.
 #
 # usage: [VLLM_VERSION=0.26.0] [PART_MIB=40] [FOLDER_MIB=40] make_upload.sh OUT_DIR
+#   (both default to 40, or to what the checkout leaves of 64 MiB less 4 when that is less)
 #   -> OUT_DIR/up1 .. OUT_DIR/upN, each with MANIFEST.sha256, SPLIT.sha256 and LAYOUT.txt
 # OUT_DIR is replaced; keep it inside the checkout but ignored (e.g. .gpu, which .gitignore
 # ignores, or a folder named in .git/info/exclude).
@@ -23,16 +24,22 @@ REQS="$HERE/host-requirements-vllm-$VLLM.txt"
 # A folder + the checkout stays under the 64 MiB a command takes (the checkout was 8 MiB
 # early in 2026-11 and 17 MiB on 2026-11-26, when 50 MiB folders no longer fit): lower
 # both when the checkout grows (the warning below says when).
-PART_MIB=${PART_MIB:-40}     # parts of the wheels larger than a folder
-FOLDER_MIB=${FOLDER_MIB:-40} # each upload folder
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-
 # What travels beside each folder: the checkout's tracked and untracked, not ignored files.
 REPO=$(git -C "$HERE" rev-parse --show-toplevel 2>/dev/null || true)
+tree=0
 if [ -n "$REPO" ]; then
   tree=$(cd "$REPO" && git ls-files -z --cached --others --exclude-standard \
          | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+fi
+# Default: 40 MiB, or less where the checkout leaves less, with 4 MiB for what the
+# checkout gains before the lease (check_uploads.sh tells, before a lease, whether
+# folders built earlier still fit).
+room=$(( (64 * 1024 * 1024 - tree) / 1024 / 1024 - 4 ))
+PART_MIB=${PART_MIB:-$(( room < 40 ? room : 40 ))}     # parts of the wheels larger than a folder
+FOLDER_MIB=${FOLDER_MIB:-$(( room < 40 ? room : 40 ))} # each upload folder
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+if [ -n "$REPO" ]; then
   if [ $((tree + FOLDER_MIB * 1024 * 1024)) -gt $((64 * 1024 * 1024)) ]; then
     echo "warning: the checkout ($((tree / 1024)) KiB) + FOLDER_MIB=$FOLDER_MIB exceed the" \
          "64 MiB a command takes: lower FOLDER_MIB and PART_MIB" >&2

@@ -173,3 +173,22 @@ def test_cross_gpu_steps_are_gated_by_their_own_times_not_the_one_gpu_ones():
     assert minutes("cross-b@030") == minutes("cross-b")
     # started with its 5 minutes left, cross-d had 280 s and ran 4 of the 5 abort repeats
     assert minutes("cross-d") * 60 - 20 > 280
+
+
+def test_check_uploads_refuses_a_folder_the_checkout_leaves_no_room_for(tmp_path):
+    """2026-11-27: 28 upload folders of 40 MiB built for a smaller checkout were refused
+    mid-lease. check_uploads.sh says so before a lease (sizes are apparent sizes: the
+    sparse files below take no disk)."""
+    script = os.path.join(os.path.dirname(SESSION), "check_uploads.sh")
+    small, big = tmp_path / "small" / "up1", tmp_path / "big" / "up2"
+    for folder, mib in ((small, 1), (big, 63)):
+        folder.mkdir(parents=True)
+        with open(folder / "part", "wb") as f:
+            f.truncate(mib * 1024 * 1024)
+    ok = subprocess.run(["bash", script, str(tmp_path / "small")], capture_output=True,
+                        text=True, timeout=60)
+    assert ok.returncode == 0 and "fits" in ok.stdout, ok.stdout + ok.stderr
+    bad = subprocess.run(["bash", script, str(tmp_path / "small"), str(tmp_path / "big")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "does NOT fit" in bad.stdout
+    assert "rebuild with FOLDER_MIB=" in bad.stdout and str(big) in bad.stdout
