@@ -636,3 +636,51 @@ def test_the_unmaps_figure_is_read_without_opening_a_context_on_ps_gpu(monkeypat
     monkeypatch.setattr(torch.cuda, "device_memory_used", no_nvml)
     assert decode_mod._used_bytes(torch.device("cuda", 1)) is None
     assert decode_mod._used_bytes(torch.device("cpu")) is None
+
+
+def _late_pull(p, d, name: str, prompt: list[int], waited_beyond_half_s: float):
+    """P prefills ``name``; its decode leg reaches D as if it had waited on D (for KV
+    room) ``waited_beyond_half_s`` beyond half of P's lease already (negative: less)."""
+    params = pd.prefilled(p, name, prompt)
+    req = pd.decode_request("d-" + name, prompt, params)
+    req.arrival_time = time.time() - params[PARAMS_KEY]["lease_s"] / 2 - waited_beyond_half_s
+    d.sched.add_request(req)
+    return params
+
+
+@pytest.mark.parametrize("wire", ["ipc", "nixl"])
+def test_a_pulled_request_that_waited_on_d_past_half_the_lease_is_not_read(
+        staged_env, ipc, reads, sync_loads, monkeypatch, caplog, wire):
+    """Pulled params carry no age, but P staged them before the decode leg reached D: the
+    time the request then waited on D counts against half of P's lease. (Until
+    2026-11-27 the half lease started at D's allocation: a request vLLM held back for KV
+    room more than half a lease was read, though P may have freed the extent at its lease
+    and packed another request into it.) That load fails unread, on the IPC wire's
+    synchronous path and on the NIXL wire's asynchronous one; D lives, and a request that
+    waited less loads exactly."""
+    monkeypatch.setenv("KVCACHED_PD_WIRE", wire)
+    caplog.set_level(logging.ERROR, logger="kvcached_pd")
+    p = pd.make_engine("p", "kv_producer", seed=41)
+    d = pd.make_engine("d", "kv_consumer", seed=42)
+    handoff(p, d, "r1", list(range(1, 45)))  # the handshake (and, on ipc, the mapping)
+    posted = []
+    pd.wrap_method(d.worker._decode_worker, "_unpack_ready",
+                   lambda real, ready: (posted.extend(r for r, _ in ready), real(ready))[1])
+    errors = pd.record_load_errors(d)
+    reads.clear()
+    _late_pull(p, d, "late", list(range(300, 340)), 1.0)
+    assert pd.run([p, d], lambda: "d-late" in d.outputs and d.outputs["d-late"].finished), \
+        "D never ended the request"
+    assert errors, "D's load of a request past its READ deadline did not fail"
+    assert "d-late" not in posted and reads == [], "D read P's extent past its READ deadline"
+    assert ("past its READ deadline" if wire == "ipc" else "past half of P's lease") \
+        in caplog.text
+    assert sync_loads == (["d-late"] if wire == "ipc" else [])
+    failed = len(errors)
+    prompt = list(range(400, 440))
+    params = _late_pull(p, d, "ok", prompt, -5.0)
+    p_blocks = list(params["remote_block_ids"][0])
+    assert pd.run([p, d], lambda: "d-ok" in d.outputs), "the next request never loaded"
+    assert same_kv(p, d, p_blocks, d.blocks_of("d-ok"), len(prompt))
+    assert len(errors) == failed, "a request within its READ deadline failed its load"
+    assert "d-ok" in posted if wire == "ipc" else len(reads) == 1

@@ -516,12 +516,10 @@ class DecodeScheduler:
         first_block = entry.first_token // self.block_size
         last_block = math.ceil(num_tokens / self.block_size)
         entry.loading = True
-        wait_s = entry.params.lease_s / 2 if entry.params is not None else self.lease_s
         self.orders[request.request_id] = RecvOrder(
             params=entry.params, block_ids=tuple(ids[first_block:last_block]),
             first_token=entry.first_token, num_tokens=num_tokens,
-            deadline=entry.deadline if entry.deadline is not None
-            else time.monotonic() + wait_s,
+            deadline=self._read_deadline(request, entry),
             claim=entry.claim, sync=entry.sync, failure=entry.failure)
         if entry.sync:
             # no finished load is ever reported for it: it waits, as an IPC load whose
@@ -531,6 +529,32 @@ class DecodeScheduler:
             if tracing.enabled():
                 self.computing.add(request.request_id)
         return True
+
+    def _read_deadline(self, request: Any, entry: _Pending) -> float:
+        """``time.monotonic()`` after which D must not start the request's READ.
+
+        P frees an extent at its lease (``params.lease_s`` after it staged it) at the
+        latest and may pack another request into it; the tag, read before the scatter
+        runs on the device, does not cover that window, so D keeps its READs within half
+        the lease. Params D's scheduler claimed carry P's own age (:func:`read_claim_reply`).
+        Params that came with the request (pull mode) carry none, but P staged them
+        before the decode leg reached D: the time the request has waited on D since its
+        arrival (vLLM's ``arrival_time``, wall clock) is counted against the half lease.
+        Until 2026-11-27 the half lease started at D's allocation, so a request vLLM held
+        back for KV room more than half a lease was read although P may have reused its
+        extent. Params still to be claimed by the worker get this instance's lease (the
+        claim's limit; the READ's comes with the params)."""
+        if entry.deadline is not None:
+            return entry.deadline
+        now = time.monotonic()
+        if entry.params is None:
+            return now + self.lease_s
+        waited = 0.0
+        arrival = getattr(request, "arrival_time", None)
+        if isinstance(arrival, (int, float)) and not isinstance(arrival, bool) \
+                and math.isfinite(arrival):
+            waited = max(0.0, time.time() - float(arrival))
+        return now + entry.params.lease_s / 2 - waited
 
     def _notify_only(self, request: Any, entry: _Pending) -> bool:
         """A full hit: the worker sends P the DONE without a READ; vLLM waits for

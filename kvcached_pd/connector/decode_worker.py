@@ -206,11 +206,12 @@ class DecodeWorker:
         asynchronous path. A failure is this step's invalid blocks (:meth:`_fail`)."""
         params = read.params
         if time.monotonic() > read.deadline:
-            # Claimed params (push, concurrent legs) wait in D's scheduler while vLLM has
-            # no KV room for the request; past half of P's lease P may have freed the
-            # extent and packed another request into it, and the tag, read before the
-            # scatter runs on the device, would not tell. The asynchronous path checks
-            # the same deadline before it posts (_post_queued).
+            # The request waited in D's scheduler while vLLM had no KV room for it (its
+            # claimed params' age, or, pulled, its time since it reached D, counts:
+            # DecodeScheduler._read_deadline); past half of P's lease P may have freed
+            # the extent and packed another request into it, and the tag, read before
+            # the scatter runs on the device, would not tell. The asynchronous path
+            # checks the same deadline before it posts (_post_queued).
             self._fail(req_id, read, "vLLM held it back past its READ deadline (half of "
                        f"prefill {params.engine_id}'s {params.lease_s:.0f} s lease): the "
                        "extent may hold another request's KV by now")
@@ -402,7 +403,9 @@ class DecodeWorker:
                                "staged it within this instance's KV lease")
                 else:
                     self._fail(req_id, read, "it waited past half of P's lease "
-                               f"({params.lease_s:.0f} s) for a handshake or for staging room")
+                               f"({params.lease_s:.0f} s) for KV room, a handshake or "
+                               "staging room: the extent may hold another request's KV "
+                               "by now")
                 continue
             if params is None:
                 continue  # its claim is not answered yet
