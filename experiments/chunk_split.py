@@ -52,7 +52,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from pd_common import LOAD_SEED_BASE, make_prompt_text  # noqa: E402
+from pd_common import load_prompt as harness_prompt, make_prompt_text  # noqa: E402
 
 FILLER_SEED = 91000
 NAME = re.compile(r"load-(\d{3})-(\d+)$")
@@ -67,7 +67,7 @@ def load_prompt(name: str) -> str:
     m = NAME.match(name)
     if not m:
         raise ValueError(f"{name!r} is not a load prompt name (load-III-N)")
-    return make_prompt_text(int(m.group(2)), seed=LOAD_SEED_BASE + int(m.group(1)))
+    return harness_prompt(int(m.group(1)), int(m.group(2))).text
 
 
 def cuts(num_tokens: int, budget: int, step: int) -> list[int]:

@@ -189,8 +189,14 @@ def load_prompt_tokens(n: int, min_tokens: int = 8, max_tokens: int = 3800) -> l
     return out
 
 
+def load_prompt(index: int, num_tokens: int) -> Prompt:
+    """The load harness's prompt ``index`` of ``num_tokens`` tokens (``load-III-N``)."""
+    return Prompt(f"load-{index:03d}-{num_tokens}", num_tokens,
+                  make_prompt_text(num_tokens, seed=LOAD_SEED_BASE + index))
+
+
 def load_prompts(n: int, min_tokens: int = 8, max_tokens: int = 3800) -> list[Prompt]:
-    return [Prompt(f"load-{i:03d}-{t}", t, make_prompt_text(t, seed=LOAD_SEED_BASE + i))
+    return [load_prompt(i, t)
             for i, t in enumerate(load_prompt_tokens(n, min_tokens, max_tokens))]
 
 

@@ -684,3 +684,28 @@ def test_a_pulled_request_that_waited_on_d_past_half_the_lease_is_not_read(
     assert same_kv(p, d, p_blocks, d.blocks_of("d-ok"), len(prompt))
     assert len(errors) == failed, "a request within its READ deadline failed its load"
     assert "d-ok" in posted if wire == "ipc" else len(reads) == 1
+
+
+def test_vllm_requests_carry_the_arrival_time_a_pulled_read_deadline_counts_from(caplog):
+    """The pulled-params READ deadline counts from vLLM's ``Request.arrival_time``; a
+    release that stopped setting it would weaken the rule (D warns once, then counts from
+    its allocation). This fails on such a release instead of passing silently."""
+    from kvcached_pd.connector.decode_scheduler import DecodeScheduler, _Pending
+    from kvcached_pd.connector.wire import StagedParams
+
+    before = time.time()
+    req = pd.decode_request("arrival", [1, 2, 3], {})  # vLLM's own Request class
+    assert isinstance(req.arrival_time, float) and before <= req.arrival_time <= time.time()
+    sched = DecodeScheduler(digest="d", block_size=16, capacity_bytes=1 << 20, tp_size=1)
+    params = StagedParams(wire_version=3, engine_id="p", request_id="arrival", host="h",
+                          port=1, tp_size=1, offset=0, nbytes=64, n_tok_slots=16,
+                          num_tokens=3, block_size=16, lease_s=30.0, format_digest="d",
+                          token="0" * 32)
+    entry = _Pending(request=req, params=params, first_token=0)
+    req.arrival_time = time.time() - 10.0  # ten seconds on D already
+    assert sched._read_deadline(req, entry) <= time.monotonic() + 5.0
+    del req.arrival_time
+    caplog.set_level(logging.WARNING, logger="kvcached_pd")
+    assert sched._read_deadline(req, entry) >= time.monotonic() + 14.0
+    sched._read_deadline(req, entry)
+    assert caplog.text.count("carries no arrival time") == 1

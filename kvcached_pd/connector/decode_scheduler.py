@@ -289,6 +289,7 @@ class DecodeScheduler:
     unnotified_peers: set[str] = field(default_factory=set)  # P block size differs
     samples: dict[str, list[float]] = field(default_factory=dict)
     computing: set[str] = field(default_factory=set)  # trace: loaded, forward not scheduled
+    arrival_unknown_logged: bool = False  # _read_deadline's WARNING, once
 
     def staged_params(self, request: Any) -> StagedParams | None:
         """The request's staged params when this side can serve them, else None."""
@@ -554,6 +555,14 @@ class DecodeScheduler:
         if isinstance(arrival, (int, float)) and not isinstance(arrival, bool) \
                 and math.isfinite(arrival):
             waited = max(0.0, time.time() - float(arrival))
+        elif not self.arrival_unknown_logged:
+            # every supported release sets it (tests/test_connector_ipc_wire.py checks);
+            # one that stops must not weaken the rule without a word
+            self.arrival_unknown_logged = True
+            logger.warning("kvcached-pd: vLLM's request %s carries no arrival time; a "
+                           "pulled request's READ deadline counts from its allocation, "
+                           "so its wait for KV room on this instance goes uncounted",
+                           request.request_id)
         return now + entry.params.lease_s / 2 - waited
 
     def _notify_only(self, request: Any, entry: _Pending) -> bool:
