@@ -37,6 +37,8 @@
 #     mid-load; colo-f, cross-f: part f, UCX faults.
 #   chunks (not by default) chunk_split.py on the lane's GPU: greedy tokens per prefill cut
 #     of the prompts that differed once (CHUNKS_KNOWN below).
+#   launch (not by default) bench_launch_paths.py on the lane's GPU: one pack's and one
+#     unpack's span per launch path (no vLLM; ~20 s).
 # SESSION_PLAN replaces the plan: lanes separated by ';', each "NAME STEP..." (a lane named X
 # runs once the others are done), e.g. "T ab21 serve;C colo-b;X cross-a@033". A step named
 # STEP@TAG runs with the venv ${SESSION_VENV_ROOT:-/tmp}/vTAG first on PATH (another vLLM,
@@ -65,12 +67,14 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instances started at once;
   # across two GPUs no NIXL pair moves KV at 0.5 GB/s: 2 x H100, 2026-11-26, cross-a took
   # 100-123 s and cross-b 216-253 s, and cross-b's 9 minutes kept cross-c from starting;
-  # cross-d started with 300 s left ran 4 of its 5 abort repeats: 6 minutes)
+  # cross-d started with 300 s left ran 4 of its 5 abort repeats: 6 minutes; cross-f took
+  # 133 s on 2 x H100, 2026-11-27)
   [ -n "${SESSION_FAKE_STEPS:-}" ] && { echo 0; return; }
   case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
     cross-a) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
-    cross-b) echo 5 ;; colo-e|cross-e) echo 8 ;; colo-f|cross-f) echo 6 ;; chunks) echo 3 ;;
+    cross-b) echo 5 ;; colo-e|cross-e) echo 8 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
+    launch) echo 1 ;;
     *) echo 5 ;;
   esac
 }
@@ -87,8 +91,9 @@ lane_gpu() {  # lane_gpu LANE: the GPU a lane's colocated steps use (C: GPU 1 wi
   if [ "$1" = C ]; then echo "$LANE_C_GPU"; else echo 0; fi
 }
 
-lane_ports() {  # lane_ports LANE: the port base of a lane's colocated harnesses (C: its
-  # own, so that two lanes' harnesses started at once never pick the same free ports)
+lane_ports() {  # lane_ports LANE: the port base of a lane's harnesses (C: its own, so that
+  # two lanes' harnesses started at once never pick the same free ports; cross-* steps
+  # too, since two lanes of correctness runs may share both GPUs)
   if [ "$1" = C ]; then echo "COLO_PORT_BASE=23000 "; fi
 }
 
@@ -120,6 +125,8 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
                 "--prefill-gpu 0 --decode-gpu 0 --deadline-s 420 --port-base 22000" ;;
     chunks) echo "CUDA_VISIBLE_DEVICES=$LANE_GPU python3 experiments/chunk_split.py --out $w" \
                  "--model /tmp/tiny --step 4 $CHUNKS_KNOWN" ;;
+    launch) echo "CUDA_VISIBLE_DEVICES=$LANE_GPU python3 experiments/bench_launch_paths.py" \
+                 "--out $w/launch-paths.json > $w/launch-paths.log 2>&1" ;;
     colo-a) echo "KVPD_GPUS='0 0' bash experiments/run_colocated_on_host.sh $w a" ;;
     colo-b) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w b" ;;
     colo-c) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w c" ;;
@@ -127,9 +134,9 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
                  "COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
                  "bash experiments/run_colocated_on_host.sh $w d" ;;
     colo-[ef]) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w ${step#colo-}" ;;
-    cross-d) echo "KVPD_GPUS='0 1' COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
+    cross-d) echo "${LANE_PORTS}KVPD_GPUS='0 1' COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
                   "bash experiments/run_colocated_on_host.sh $w d" ;;
-    cross-[abcef]) echo "KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w ${step#cross-}" ;;
+    cross-[abcef]) echo "${LANE_PORTS}KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w ${step#cross-}" ;;
   esac
 }
 

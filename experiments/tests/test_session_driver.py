@@ -128,6 +128,29 @@ def test_the_chunks_step_runs_on_its_lanes_gpu_with_arguments_its_script_parses(
     assert len(known["load-034-1167"]["pd-push-differing"]) == 8
 
 
+def test_a_cross_gpu_step_in_lane_c_gets_lane_cs_ports(tmp_path):
+    """Two lanes of correctness runs across both GPUs at once (2026-11-27's plan): lane
+    C's harnesses must not take lane T's free ports."""
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2",
+            SESSION_PLAN="T cross-c cross-d;C cross-f cross-d")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(":")[0]: line for line in r.stdout.splitlines()}
+    for step in ("C cross-f", "C cross-d"):
+        assert "COLO_PORT_BASE=23000 KVPD_GPUS='0 1'" in lines[step], lines[step]
+    for step in ("T cross-c", "T cross-d"):
+        assert "COLO_PORT_BASE" not in lines[step] and "KVPD_GPUS='0 1'" in lines[step]
+
+
+def test_the_launch_step_runs_its_script_on_its_lanes_gpu(tmp_path):
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2", SESSION_PLAN="T launch;C launch")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(":")[0]: line for line in r.stdout.splitlines()}
+    assert "CUDA_VISIBLE_DEVICES=0 " in lines["T launch"]
+    assert "CUDA_VISIBLE_DEVICES=1 " in lines["C launch"]
+    assert "experiments/bench_launch_paths.py --out /" in lines["T launch"]
+    assert os.path.exists(os.path.join(os.path.dirname(HERE), "bench_launch_paths.py"))
+
+
 def test_a_colocated_step_runs_on_its_own_lanes_gpu(tmp_path):
     """colo-b..colo-e take the GPU of the lane they are in: lane C's with two GPUs, GPU 0
     in lane T (2026-11-26: colo-e named in lane T ran on lane C's GPU 1, beside colo-c)."""
