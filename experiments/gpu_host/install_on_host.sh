@@ -15,7 +15,7 @@
 # 4. checks the GPU stack: a bf16 matmul, a Triton kernel, a cuDNN convolution (a failure
 #    there is only reported: the experiments use none), then `import vllm`;
 # 5. builds kvcached 0.1.6 from source against the installed torch (about 20 s);
-# 6. installs kvcached-pd from this checkout (--no-deps --no-build-isolation);
+# 6. installs kvcached-pd from a snapshot of this checkout (--no-deps --no-build-isolation);
 # 7. writes the test models: /tmp/tiny (equivalence) and /tmp/kvbig (transfer benchmark).
 # Safe to run again (e.g. after uploading a newer checkout: only step 6 changes).
 set -euo pipefail
@@ -175,8 +175,18 @@ if ! "$PY" -c "import kvcached.integration.vllm.interfaces" 2>/dev/null; then
 fi
 
 # 6. kvcached-pd from this checkout. --no-build-isolation: build with the host's setuptools
-# (installed above), as there is no index to fetch a build environment from.
-"$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir "$REPO"
+# (installed above), as there is no index to fetch a build environment from. Built from a
+# snapshot of the checkout: pip builds in the source tree, and the device tool copies the
+# working tree again on every later call (the next upload folders). On 2026-11-27 this
+# build, started with the last 0.26.0 upload and followed by 33 more calls, ended in
+# "Failed building wheel for kvcached-pd" (only the log's tail came back, so the race is
+# the likely cause, not a proven one), while the same tree copied to /tmp first built fine
+# for vLLM 0.30.0 in the same lease.
+SNAP=$(mktemp -d /tmp/kvpd-src.XXXXXX)
+tar -C "$REPO" --exclude='./.gpu*' --exclude='./.venv*' --exclude=./.cache --exclude=./.git \
+  --exclude=./build --exclude='./*.egg-info' -cf - . | tar -C "$SNAP" -xf -
+"$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir "$SNAP"
+rm -rf "$SNAP"
 
 "$PY" - <<'PYEOF'
 import importlib
