@@ -14,7 +14,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(git -C "$HERE" rev-parse --show-toplevel)
 LIMIT=$((64 * 1024 * 1024))
 tree=$(cd "$REPO" && git ls-files -z --cached --others --exclude-standard \
-       | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+       | { xargs -0 stat -c %s 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}')
 echo "checkout: $((tree / 1024)) KiB (tracked and untracked, not ignored)"
 status=0
 for set in "$@"; do

@@ -29,7 +29,7 @@ REPO=$(git -C "$HERE" rev-parse --show-toplevel 2>/dev/null || true)
 tree=0
 if [ -n "$REPO" ]; then
   tree=$(cd "$REPO" && git ls-files -z --cached --others --exclude-standard \
-         | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+         | { xargs -0 stat -c %s 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}')
 fi
 # Default: 40 MiB, or less where the checkout leaves less, with 4 MiB for what the
 # checkout gains before the lease (check_uploads.sh tells, before a lease, whether

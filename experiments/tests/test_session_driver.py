@@ -215,3 +215,27 @@ def test_check_uploads_refuses_a_folder_the_checkout_leaves_no_room_for(tmp_path
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "does NOT fit" in bad.stdout
     assert "rebuild with FOLDER_MIB=" in bad.stdout and str(big) in bad.stdout
+
+
+def test_check_uploads_counts_a_checkout_with_a_file_deleted_but_still_indexed(tmp_path):
+    """2026-11-27: a results file moved with ``git mv`` and the move unstaged left its old
+    path indexed but gone; stat failed on it and the script died silently (xargs 123
+    under pipefail) instead of answering. Such a file does not travel: skip it."""
+    repo = tmp_path / "repo"
+    (repo / "experiments" / "gpu_host").mkdir(parents=True)
+    script = repo / "experiments" / "gpu_host" / "check_uploads.sh"
+    script.write_text(open(os.path.join(os.path.dirname(SESSION), "check_uploads.sh")).read())
+    (repo / "kept.bin").write_bytes(b"x" * 4096)
+    (repo / "gone.bin").write_bytes(b"y" * 4096)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "t"], check=True)
+    (repo / "gone.bin").unlink()
+    folder = tmp_path / "set" / "up1"
+    folder.mkdir(parents=True)
+    (folder / "part").write_bytes(b"z")
+    r = subprocess.run(["bash", str(script), str(tmp_path / "set")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "fits" in r.stdout, r.stdout + r.stderr
+    assert "checkout: " in r.stdout
