@@ -14,7 +14,8 @@
 # shared. Times: README, "Test it".
 #
 # Three kinds of pytest process (each one's output printed whole once it ends):
-# 1. once, the release-independent tests (RELEASE_INDEPENDENT below) with vLLM hidden
+# 1. once, the release-independent tests (RELEASE_INDEPENDENT below) with vLLM hidden, in
+#    two processes
 #    (-p tests.support.no_vllm: `import vllm` fails there, so a test that passes cannot
 #    depend on the release; one that needs vLLM fails and is moved out of the list);
 # 2. per release, the tests that build NIXL agents inside the pytest process
@@ -51,6 +52,20 @@ RELEASE_INDEPENDENT=(
   experiments/tests/test_ucx_fault_injector.py experiments/tests/test_session_driver.py
   experiments/tests/test_bench_pack_latency.py experiments/tests/test_chunk_split.py
 )
+# Group 1 runs as two processes side by side, beside the last release's groups: these
+# files (the session driver's and the colocated harness's scripts run for real, with
+# sleeps) took 106 of its 193 s alone (2026-11-27); as one process it was the longest
+# group of the whole run (251 s beside 0.20.2's, whose longest took 196 s).
+INDEPENDENT_SCRIPTS=(experiments/tests/test_session_driver.py experiments/tests/test_colocated.py
+                     experiments/tests/test_ucx_fault_injector.py)
+INDEPENDENT_OTHERS=()
+for path in "${RELEASE_INDEPENDENT[@]}"; do
+  [[ " ${INDEPENDENT_SCRIPTS[*]} " == *" $path "* ]] || INDEPENDENT_OTHERS+=("$path")
+done
+for path in "${INDEPENDENT_SCRIPTS[@]}"; do  # each must stay in RELEASE_INDEPENDENT
+  [[ " ${RELEASE_INDEPENDENT[*]} " == *" $path "* ]] \
+    || { echo "scripts/test.sh: INDEPENDENT_SCRIPTS names $path, not in RELEASE_INDEPENDENT" >&2; exit 1; }
+done
 # The test files whose tests build NIXL agents in the pytest process (group 2).
 NIXL_IN_PROCESS=(tests/test_connector_*.py tests/test_nixl_registration*.py)
 # Group 2 runs as two processes side by side: NIXL_WAITS (the files whose tests run past
@@ -179,8 +194,10 @@ for i in "${!MATRIX[@]}"; do
   if [ "$next" -lt "${#MATRIX[@]}" ]; then
     install "${MATRIX[$next]}" "$venv" || { echo "installing vLLM ${MATRIX[$next]} failed" >&2; status=1; }
   else
-    start_group "release-independent (vLLM hidden)" "$VENVS/vllm-${MATRIX[0]}" \
-        -p tests.support.no_vllm "${RELEASE_INDEPENDENT[@]}"
+    start_group "release-independent, scripts (vLLM hidden)" "$VENVS/vllm-${MATRIX[0]}" \
+        -p tests.support.no_vllm "${INDEPENDENT_SCRIPTS[@]}"
+    start_group "release-independent, others (vLLM hidden)" "$VENVS/vllm-${MATRIX[0]}" \
+        -p tests.support.no_vllm "${INDEPENDENT_OTHERS[@]}"
   fi
   finish_groups
   # The first release's venv runs the release-independent group at the end.
