@@ -57,6 +57,11 @@ SMALL = ModelShape("2L-2H-64D-bf16", 2, 2, 64, torch.bfloat16)
 BLOCK = 1024
 
 if triton is not None:
+    # A candidate, not the product: pack_triton._copy_blocks_kernel's addressing (8-byte
+    # words only), plus the tag written in-kernel and the block ids read from pinned host
+    # memory. Its lines restate the product kernel's on purpose, so that the product's
+    # kernel stays untouched by an experiment; main() checks that its pack gives the
+    # product's bytes (``pack[uva]_equal``), which catches the two drifting apart.
     @triton.jit
     def _uva_kernel(layer_addrs, block_ids, packed, tag_src, tag_dst, nb, packed_tok_stride,
                     s_kv, s_blk, s_tok, s_head, H: tl.constexpr, DW: tl.constexpr,
