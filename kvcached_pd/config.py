@@ -34,7 +34,7 @@ KVCACHED_PD_STRICT = "KVCACHED_PD_STRICT"  # re-raise errors of import hooks (te
 KVCACHED_PD_TRANSPORT = "KVCACHED_PD_TRANSPORT"  # staged | direct
 KVCACHED_PD_STAGING_MB = "KVCACHED_PD_STAGING_MB"  # staging region per worker
 KVCACHED_PD_READ_SPIN_US = "KVCACHED_PD_READ_SPIN_US"  # D: wait this long for a READ about to end
-KVCACHED_PD_PACK_KERNEL = "KVCACHED_PD_PACK_KERNEL"  # auto | triton | torch
+KVCACHED_PD_PACK_KERNEL = "KVCACHED_PD_PACK_KERNEL"  # auto | graph | triton | torch
 KVCACHED_PD_WIRE = "KVCACHED_PD_WIRE"  # auto | nixl | ipc: how a staged extent reaches D
 KVCACHED_PD_TRACE = "KVCACHED_PD_TRACE"  # log one timestamped line per handoff event
 KVCACHED_PD_TEST_CORRUPT = "KVCACHED_PD_TEST_CORRUPT"  # test-only negative control
@@ -45,7 +45,7 @@ KVCACHED_PD_SIDE_CHANNEL_SECRET_FILE = "KVCACHED_PD_SIDE_CHANNEL_SECRET_FILE"
 VLLM_KV_CACHE_LAYOUT = "VLLM_KV_CACHE_LAYOUT"  # vLLM's own; head-major values are refused
 
 TRANSPORTS = ("staged", "direct")
-PACK_KERNELS = ("auto", "triton", "torch")  # auto: Triton once proven on the device
+PACK_KERNELS = ("auto", "graph", "triton", "torch")  # auto: graphs once proven on the device
 # How D takes a staged extent from P: "ipc" maps P's staging through CUDA IPC and unpacks
 # straight from it (same host: 1.5 TB/s on one H100, where NIXL/UCX between two
 # processes on one GPU moves 0.5 GB/s); "nixl" READs it into D's staging; "auto" picks
@@ -336,10 +336,14 @@ VARIABLES: tuple[Variable, ...] = (
              "requests wait, never take the direct path; a size that cannot hold one "
              "max_model_len request, or more than the device's free memory, stops startup",
              _parse_staging_mb, "staging_mb"),
-    Variable(KVCACHED_PD_PACK_KERNEL, "auto", "pack/unpack kernels: `auto` uses one Triton "
-             "launch for all layers once a self-check on the device matched the torch path, "
-             "else torch index ops; `triton` requires it (startup stops if it cannot be "
-             "used); `torch` never uses it", _parse_pack_kernel, "pack_kernel"),
+    Variable(KVCACHED_PD_PACK_KERNEL, "auto", "pack/unpack kernels: `auto` replays one "
+             "Triton kernel for all layers as a CUDA graph (one graph launch a request "
+             "instead of three to five operations) once a self-check on the device matched "
+             "the torch path, else "
+             "one Triton launch for all layers (when the layers do not share one storage "
+             "and its own self-check passed), else torch index ops; `graph` and `triton` "
+             "require theirs (startup stops if it cannot be used); `torch` uses neither",
+             _parse_pack_kernel, "pack_kernel"),
     Variable(KVCACHED_PD_WIRE, "auto", "decode side: how a staged extent reaches D. `auto`: "
              "per peer, CUDA IPC when P is on this host and D can open P's staging (same GPU, "
              "or a GPU it can peer with; containers need a shared IPC namespace, e.g. "

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from kvcached_pd.transport import pack_triton
+from kvcached_pd.transport import pack_graph, pack_triton
 from kvcached_pd.transport.format import TAG_BYTES, PackedFormat, dtype_name, packed_extent_view
 from kvcached_pd.transport.layout import KVCacheLayers
 
@@ -210,6 +210,12 @@ def pack_request(
     n_tok_slots = num_blocks * block_size
     packed = packed_extent_view(out_extent, fmt, n_tok_slots)
     _check_same_device(packed, layers)
+    graphs = _graphs(layers, packed)
+    if graphs is not None:
+        flat = out_extent.reshape(-1)
+        tag_addr = flat.data_ptr() + flat.numel() * flat.element_size() - TAG_BYTES
+        if graphs.run(True, packed.data_ptr(), ids, n_tok_slots, tag_addr, tag, started):
+            return n_tok_slots
     host, at = _host_buffer(ids, layers.device, tag)
     _record_start(started, layers.device)
     device_buffer = _on_device(host, layers.device)
@@ -292,12 +298,16 @@ def unpack_request(
         )
     packed = packed_extent_view(in_extent, fmt, src_tok_slots, extent_first)
     _check_same_device(packed, layers)
-    host, at = _host_buffer(ids, layers.device)
-    _record_start(started, layers.device)
     # Tokens from first_token on: token-major, a contiguous tail of the window (a view)
     packed = packed[first_token - extent_first:]
     src_tok_slots -= first_token
     num_tokens -= first_token
+    graphs = _graphs(layers, packed)
+    if graphs is not None and graphs.run(False, packed.data_ptr(), ids, src_tok_slots,
+                                         started=started):
+        return
+    host, at = _host_buffer(ids, layers.device)
+    _record_start(started, layers.device)
     plan = _triton_plan(layers, packed)
     targets = (layers.stacked,) if layers.stacked is not None else layers.layers
     word = plan.word if plan is not None else _widest_word((packed, *targets))
@@ -338,6 +348,16 @@ def unpack_request(
 
 # ---- the one-launch Triton kernels (pack_triton), once proven on this device ----------
 PLAN_ATTR = "_kvcached_pd_triton_plan"
+GRAPHS_ATTR = "_kvcached_pd_graphs"
+
+
+def _graphs(layers: KVCacheLayers, packed: torch.Tensor) -> pack_graph.GraphLauncher | None:
+    """The layers' CUDA graphs, if :func:`select_kernel` installed them and this extent
+    can be moved as their words (extents are 4 KiB-aligned in staging, so it can)."""
+    graphs = getattr(layers, GRAPHS_ATTR, None)
+    if graphs is None or not _fits_words(packed, graphs.word):
+        return None
+    return graphs
 
 
 @dataclass(frozen=True)
@@ -396,10 +416,22 @@ def _miniature(layers: KVCacheLayers, num_blocks: int) -> list[torch.Tensor] | N
             for layer in range(layers.num_layers)]
 
 
-def self_check(layers: KVCacheLayers, fmt: PackedFormat, num_blocks: int = 6) -> str | None:
-    """Pack and unpack synthetic layers of this geometry with both kernels and compare
-    bytes. Returns None when the Triton kernels agree with torch, else what differed.
-    Layers sharing one storage are checked on a miniature with their very strides."""
+def _graph_launcher(plan: TritonPlan, fmt: PackedFormat, max_blocks: int,
+                    slots: int = pack_graph.SLOTS) -> pack_graph.GraphLauncher | None:
+    """The graphs of ``plan``'s layers; None when a token slot is not whole words."""
+    if fmt.bytes_per_token_all_layers % plan.word.itemsize:
+        return None
+    return pack_graph.GraphLauncher(plan.words, plan.addrs,
+                                    fmt.bytes_per_token_all_layers // plan.word.itemsize,
+                                    max_blocks, slots)
+
+
+def self_check(layers: KVCacheLayers, fmt: PackedFormat, num_blocks: int = 6,
+               graphs: bool = False) -> str | None:
+    """Pack and unpack synthetic layers of this geometry with torch and with the
+    candidate (the one-launch Triton kernels, or with ``graphs`` their CUDA graphs) and
+    compare bytes. Returns None when they agree, else what differed. Layers sharing one
+    storage are checked on a miniature with their very strides."""
     views = _miniature(layers, num_blocks) or [_like(view, num_blocks) for view in layers.layers]
     for view in views:
         _as_bits(view).copy_(torch.randint(-(2**15), 2**15, view.shape, device=view.device,
@@ -409,15 +441,23 @@ def self_check(layers: KVCacheLayers, fmt: PackedFormat, num_blocks: int = 6) ->
     plan = _build_plan(candidate)
     if plan is None:
         return "the layers do not share strides"
-    object.__setattr__(candidate, PLAN_ATTR, plan)
+    launcher = None
+    if graphs:
+        launcher = _graph_launcher(plan, fmt, num_blocks, slots=4)
+        if launcher is None:
+            return "a token slot of the extent is not whole words"
+        object.__setattr__(candidate, GRAPHS_ATTR, launcher)
+    else:
+        object.__setattr__(candidate, PLAN_ATTR, plan)
     ids = [num_blocks - 2, 0, num_blocks - 1, 2]
     slots = len(ids) * layers.block_size
     extents = [torch.empty(fmt.extent_bytes(slots), dtype=torch.uint8, device=layers.device)
                for _ in range(2)]
-    if _triton_plan(candidate, packed_extent_view(extents[1], fmt, slots)) is None:
+    probe = packed_extent_view(extents[1], fmt, slots)
+    if (_graphs(candidate, probe) if graphs else _triton_plan(candidate, probe)) is None:
         return "the extent cannot be moved as the layers' words"  # never pass vacuously
-    pack_request(reference, ids, extents[0], fmt)
-    pack_request(candidate, ids, extents[1], fmt)
+    pack_request(reference, ids, extents[0], fmt, tag=bytes(range(TAG_BYTES)))
+    pack_request(candidate, ids, extents[1], fmt, tag=bytes(range(TAG_BYTES)))
     if not torch.equal(extents[0], extents[1]):
         return "packed extents differ"
     # the whole extent, and the window of a decode side holding the first block
@@ -434,21 +474,42 @@ def self_check(layers: KVCacheLayers, fmt: PackedFormat, num_blocks: int = 6) ->
             targets.append(torch.cat([_as_bits(v).flatten() for v in layer_set.layers]))
         if not torch.equal(targets[0], targets[1]):
             return f"unpacked blocks differ (tokens from {first})"
+    if launcher is not None and launcher.replays != 1 + len(windows):
+        # a busy slot would have sent a call down the torch path: compared with itself
+        return f"{launcher.replays} of {1 + len(windows)} calls ran as graphs"
     return None
 
 
-def select_kernel(layers: KVCacheLayers, fmt: PackedFormat, preference: str = "auto") -> str:
+def select_kernel(layers: KVCacheLayers, fmt: PackedFormat, preference: str = "auto",
+                  max_blocks: int = pack_graph.MAX_BLOCKS_CAP) -> str:
     """Choose the pack/unpack kernels of ``layers`` for the life of the worker.
 
     ``torch``: torch index ops (one launch per layer unless the layers stack);
     ``triton``: one launch for all layers, required (an error if it cannot be used);
-    ``auto``: Triton when the layers do not stack, Triton is available and the
-    device self-check passes, else torch. Returns a description for the startup log.
+    ``graph``: that kernel in CUDA graphs (:mod:`.pack_graph`), required; a call it
+    cannot take (more than ``max_blocks`` blocks, every slot in flight) runs as
+    ``auto`` would without graphs;
+    ``auto``: the graphs when Triton is available and their device self-check passes;
+    else Triton when the layers do not stack and its self-check passes; else torch.
+    Returns a description for the startup log.
     """
     if preference == "torch":
         return "torch index ops (KVCACHED_PD_PACK_KERNEL=torch)"
+    graph_reason = None
+    if preference in ("auto", "graph"):
+        graph_reason = _install_graphs(layers, fmt, max_blocks)
+        if graph_reason is None:
+            rest = ("torch index ops, one launch for all layers" if layers.stacked is not None
+                    else "torch index ops")
+            return (f"CUDA graphs of one Triton kernel for all {layers.num_layers} layers "
+                    f"(self-check passed; {pack_graph.SLOTS} in flight, up to "
+                    f"{getattr(layers, GRAPHS_ATTR).max_blocks} blocks a call; beyond: "
+                    f"{rest})")
+        if preference == "graph":
+            raise RuntimeError(f"kvcached-pd: KVCACHED_PD_PACK_KERNEL=graph but {graph_reason}")
     if layers.stacked is not None and preference == "auto":
-        return "torch index ops, one launch for all layers (they share one storage)"
+        return (f"torch index ops, one launch for all layers (they share one storage; "
+                f"CUDA graphs not used: {graph_reason})")
     if not pack_triton.available(layers.device):
         reason = "Triton or a CUDA device is not available"
     else:
@@ -459,7 +520,29 @@ def select_kernel(layers: KVCacheLayers, fmt: PackedFormat, preference: str = "a
             return f"Triton, one launch for all {layers.num_layers} layers (self-check passed)"
     if preference == "triton":
         raise RuntimeError(f"kvcached-pd: KVCACHED_PD_PACK_KERNEL=triton but {reason}")
-    return f"torch index ops, one launch per layer (Triton not used: {reason})"
+    return (f"torch index ops, one launch per layer (CUDA graphs not used: {graph_reason}; "
+            f"Triton not used: {reason})")
+
+
+def _install_graphs(layers: KVCacheLayers, fmt: PackedFormat, max_blocks: int) -> str | None:
+    """Prove the graphs on a miniature of ``layers``, then capture ``layers``' own:
+    None when installed, else why not (the caller falls back or stops)."""
+    if not pack_graph.available(layers.device):
+        return "Triton, CUDA graphs or a CUDA device is not available"
+    plan = _build_plan(layers)
+    if plan is None:
+        return "the layers do not share strides"
+    try:
+        reason = self_check(layers, fmt, graphs=True)
+        if reason is None:
+            launcher = _graph_launcher(plan, fmt, max(1, min(max_blocks,
+                                                             pack_graph.MAX_BLOCKS_CAP)))
+            if launcher is None:
+                return "a token slot of the extent is not whole words"
+            object.__setattr__(layers, GRAPHS_ATTR, launcher)
+    except Exception as exc:  # noqa: BLE001 - a capture this device refuses: not used
+        reason = f"capturing them raised {type(exc).__name__}: {exc}"
+    return reason
 
 
 def _check_same_device(packed: torch.Tensor, layers: KVCacheLayers) -> None:
