@@ -16,6 +16,10 @@ kernel = the device's work alone), with the host's time per call and per operati
 * ``triton``: the same on the one-launch Triton plan;
 * ``torch_pre``: the torch path's three device operations alone (ids' copy, the
   ``index_select`` / ``index_copy_``, the tag's copy), every view built before the start;
+* ``graph``: the product's ``pack_request`` / ``unpack_request`` with the CUDA graphs of
+  :mod:`kvcached_pd.transport.pack_graph` installed (``KVCACHED_PD_PACK_KERNEL=graph``;
+  what ``auto`` selects since 2026-11-27), built on the candidates below: one replay
+  of a record copy and one Triton kernel per call;
 * ``uva``: ONE Triton launch that reads the block ids (and writes the tag from) pinned
   host memory directly (unified addressing: a pinned buffer's address is valid on the
   device), so no copy precedes or follows the gather/scatter.
@@ -132,10 +136,20 @@ def main(argv=None):
              for c in caches]
     stacked = KVCacheLayers.from_views(views)
     plain = KVCacheLayers.from_views(views, stack=False)
-    kernel = pack_mod.select_kernel(plain, fmt)
+    pack_mod.select_kernel(stacked, fmt, "torch")  # no graphs: the torch baseline
+    kernel = pack_mod.select_kernel(plain, fmt, "triton")
     plan = getattr(plain, pack_mod.PLAN_ATTR, None)
+    graphed = KVCacheLayers.from_views(views)  # what the servers select since 2026-11-27
+    t0 = time.perf_counter()
+    try:
+        graph_kernel = pack_mod.select_kernel(graphed, fmt, "graph")
+    except RuntimeError as exc:  # the other paths still report
+        graph_kernel, graphed = f"not installed: {exc}", None
+    graph_setup_s = time.perf_counter() - t0
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": getattr(triton, "__version__", None), "kernel": kernel, "sizes": {}}
+              "triton": getattr(triton, "__version__", None), "kernel": kernel,
+              "graph_kernel": graph_kernel, "graph_setup_s": round(graph_setup_s, 3),
+              "sizes": {}}
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
     ops: dict[str, float] = {}
 
@@ -187,6 +201,8 @@ def main(argv=None):
             timed("index", lambda: st.index_copy_(2, idx, by_block))
 
         paths = {"torch": cur(stacked), "torch_pre": (pre_pack, pre_unpack)}
+        if graphed is not None:
+            paths["graph"] = cur(graphed)
         if plan is not None:
             paths["triton"] = cur(plain)
             words = packed.view(plan.word).reshape(-1)
@@ -217,11 +233,21 @@ def main(argv=None):
                     rows = [one_call(fn, mode == "busy", ops) for _ in range(args.calls)]
                     entry[f"{op}[{name}]_{mode}"] = medians(rows)
                 entry.pop("_keep", None)
-            # the bytes: the pack equals the product's torch pack
+            # the bytes: the pack equals the product's torch pack; the unpack of it puts
+            # the source blocks' bytes into the (scrambled) destination blocks
+            extent.fill_(0x5A)
             pack(torch.cuda.Event())
             torch.cuda.synchronize()
             entry[f"pack[{name}]_equal"] = bool(torch.equal(extent, ref))
+            extent.copy_(ref)
+            bits = st.view(torch.int16)
+            bits[:, :, dst] = torch.randint_like(bits[:, :, dst], -(2 ** 15), 2 ** 15)
+            unpack(torch.cuda.Event())
+            torch.cuda.synchronize()
+            entry[f"unpack[{name}]_equal"] = bool(torch.equal(bits[:, :, dst], bits[:, :, src]))
             entry.pop("_keep", None)
+        if graphed is not None:
+            entry["graph_replays"] = getattr(graphed, pack_mod.GRAPHS_ATTR).replays
         result["sizes"][f"{mib:g}"] = entry
         print(f"{mib:g} MiB: " + json.dumps(entry), flush=True)
     args.out.write_text(json.dumps(result, indent=1))
