@@ -123,8 +123,8 @@ if triton is not None:
     @triton.jit
     def _graph_copy_kernel(
         layer_addrs,  # int64[L]: byte address of each layer's view element [0, 0, 0, 0, 0]
-        params,  # int64[HEADER + max_blocks]: the record (:func:`encode`), on the device
-        params_bytes,  # the same record as bytes (the tag)
+        record,  # int64[HEADER + max_blocks]: the record (:func:`encode`), on the device
+        record_bytes,  # the same record as bytes (the tag)
         s_kv, s_blk, s_tok, s_head,  # the views' strides, in words (last dim stride 1)
         packed_tok_stride,  # words per token slot (all layers' K and V) in the extent
         NUM_LAYERS: tl.constexpr, H: tl.constexpr, DW: tl.constexpr, BS: tl.constexpr,
@@ -133,9 +133,9 @@ if triton is not None:
         TAG: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
-        extent_addr = tl.load(params)
-        nb = tl.load(params + 1)
-        valid = tl.load(params + 2)
+        extent_addr = tl.load(record)
+        nb = tl.load(record + 1)
+        valid = tl.load(record + 2)
         total = nb * (2 * NUM_LAYERS * CHUNKS)
         per_block: tl.constexpr = BS * H * DW
         lanes = tl.arange(0, BLOCK)
@@ -145,7 +145,7 @@ if triton is not None:
             b = row % nb
             kv = (row // nb) % 2
             layer = row // (2 * nb)
-            blk = tl.load(params + HEADER + b)
+            blk = tl.load(record + HEADER + b)
             base = tl.load(layer_addrs + layer)
             e = chunk * BLOCK + lanes
             tok = e // (H * DW)
@@ -174,11 +174,11 @@ if triton is not None:
                 tl.store(cache, tl.load(extent, mask=mask), mask=mask)
         if TO_PACKED:
             if pid == 0:  # the tag: the extent's last TAG bytes, from the record
-                tag_addr = tl.load(params + 3)
+                tag_addr = tl.load(record + 3)
                 if tag_addr != 0:  # 0: the warm-up's empty record
                     at = tl.arange(0, TAG)
                     tl.store((tag_addr + at).to(tl.pointer_type(tl.uint8)),
-                             tl.load(params_bytes + 8 * 4 + at))
+                             tl.load(record_bytes + 8 * 4 + at))
 
 
 def available(device: torch.device) -> bool:

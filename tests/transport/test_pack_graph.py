@@ -238,3 +238,26 @@ def test_without_triton_or_cuda_the_graphs_cannot_be_forced():
 
 def test_pack_kernel_setting_takes_graph():
     assert config.read_settings({"KVCACHED_PD_PACK_KERNEL": "Graph"}).pack_kernel == "graph"
+
+
+def test_no_kernel_parameter_shadows_tritons_launch_binder():
+    """Triton builds each kernel's argument binder as generated Python whose locals are
+    ``params``, ``specialization`` and ``options``: a kernel parameter of one of those
+    names is silently rebound to the binder's own dict, and every launch then fails
+    with "failed to specialize argument of type: dict" (so it did on one H100 with
+    Triton 3.6.0, 2026-11-27: the graphs were not installed and ``auto`` fell back).
+    Read from the source, since CI has no Triton to decorate the kernels."""
+    import ast
+    import inspect
+
+    from kvcached_pd.transport import pack_triton
+
+    reserved = {"params", "specialization", "options"}
+    kernels = {}
+    for module in (pack_graph, pack_triton):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.FunctionDef) and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                kernels[node.name] = {a.arg for a in node.args.args}
+    assert {"_graph_copy_kernel", "_record_kernel", "_copy_blocks_kernel"} <= set(kernels)
+    assert {name: args & reserved for name, args in kernels.items() if args & reserved} == {}
