@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import array
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -460,23 +461,32 @@ def self_check(layers: KVCacheLayers, fmt: PackedFormat, num_blocks: int = 6,
     pack_request(candidate, ids, extents[1], fmt, tag=bytes(range(TAG_BYTES)))
     if not torch.equal(extents[0], extents[1]):
         return "packed extents differ"
-    # the whole extent, and the window of a decode side holding the first block
+    # the whole extent; the window of a decode side holding the first block; and an
+    # extent whose slots end inside this side's last block, as from a peer of smaller
+    # blocks (its bytes need not come from a pack: both paths scatter the same ones)
     bs = layers.block_size
     start, _ = fmt.window(slots, bs)
-    windows = [(0, extents[0])] + ([(bs, extents[0][start:])] if slots - 3 > bs else [])
-    for first, src in windows:
+    cases = [(0, extents[0], slots, slots - 3, "tokens from 0")]
+    if slots - 3 > bs:
+        cases.append((bs, extents[0][start:], slots, slots - 3, f"tokens from {bs}"))
+    if bs > 1:
+        short = slots - bs // 2
+        noise = torch.randint(0, 256, (fmt.extent_bytes(short),), dtype=torch.uint8,
+                              device=layers.device)
+        cases.append((0, noise, short, short - 1, "a last block partly covered"))
+    for first, src, src_slots, num_tokens, what in cases:
+        ids = [1, 3, 4, 5][first // bs: math.ceil(num_tokens / bs)]
         targets = []
         for layer_set in (reference, candidate):
             for view in layer_set.layers:
                 _as_bits(view).zero_()
-            unpack_request(layer_set, [1, 3, 4, 5][first // bs:], src, fmt, slots - 3, slots,
-                           first, first)
+            unpack_request(layer_set, ids, src, fmt, num_tokens, src_slots, first, first)
             targets.append(torch.cat([_as_bits(v).flatten() for v in layer_set.layers]))
         if not torch.equal(targets[0], targets[1]):
-            return f"unpacked blocks differ (tokens from {first})"
-    if launcher is not None and launcher.replays != 1 + len(windows):
+            return f"unpacked blocks differ ({what})"
+    if launcher is not None and launcher.replays != 1 + len(cases):
         # a busy slot would have sent a call down the torch path: compared with itself
-        return f"{launcher.replays} of {1 + len(windows)} calls ran as graphs"
+        return f"{launcher.replays} of {1 + len(cases)} calls ran as graphs"
     return None
 
 
@@ -497,12 +507,14 @@ def select_kernel(layers: KVCacheLayers, fmt: PackedFormat, preference: str = "a
         return "torch index ops (KVCACHED_PD_PACK_KERNEL=torch)"
     graph_reason = None
     if preference in ("auto", "graph"):
+        t0 = time.perf_counter()
         graph_reason = _install_graphs(layers, fmt, max_blocks)
         if graph_reason is None:
             rest = ("torch index ops, one launch for all layers" if layers.stacked is not None
                     else "torch index ops")
             return (f"CUDA graphs of one Triton kernel for all {layers.num_layers} layers "
-                    f"(self-check passed; {pack_graph.SLOTS} in flight, up to "
+                    f"(self-check passed, set up in {time.perf_counter() - t0:.2f} s; "
+                    f"{pack_graph.SLOTS} in flight, up to "
                     f"{getattr(layers, GRAPHS_ATTR).max_blocks} blocks a call; beyond: "
                     f"{rest})")
         if preference == "graph":

@@ -56,6 +56,7 @@ def _memory(addr: int, nbytes: int) -> torch.Tensor:
 class EmulatedGraphs(pack_graph.GraphLauncher):
     hold = False  # True: every event stays incomplete (a device far behind the host)
     misplace = False  # True: a kernel bug, blocks land one slot off
+    ignore_mask = False  # True: a kernel bug, every token of the last block is copied
     built: list = []
 
     def _new_event(self):
@@ -79,7 +80,7 @@ class EmulatedGraphs(pack_graph.GraphLauncher):
             for kv in range(2):
                 for b, block in enumerate(ids):
                     for tok in range(bs):
-                        if b * bs + tok >= valid:  # the kernel's mask
+                        if b * bs + tok >= valid and not self.ignore_mask:  # the mask
                             continue
                         at = extent_addr + wb * ((b * bs + tok) * stride
                                                  + (layer * 2 + kv) * heads * dw)
@@ -98,6 +99,7 @@ def emulated_graphs(monkeypatch):
     monkeypatch.setattr(pack_graph, "GraphLauncher", EmulatedGraphs)
     monkeypatch.setattr(EmulatedGraphs, "hold", False)
     monkeypatch.setattr(EmulatedGraphs, "misplace", False)
+    monkeypatch.setattr(EmulatedGraphs, "ignore_mask", False)
     monkeypatch.setattr(EmulatedGraphs, "built", [])
     return monkeypatch
 
@@ -145,7 +147,7 @@ def test_auto_installs_the_graphs_after_their_self_check(emulated_graphs):
     described = select_kernel(layers, fmt)
     assert described.startswith("CUDA graphs of one Triton kernel for all 3 layers")
     check, installed = EmulatedGraphs.built
-    assert check.replays == 3  # the self-check: one pack, two unpacks, all as graphs
+    assert check.replays == 4  # the self-check: one pack, three unpacks, all as graphs
     assert getattr(layers, GRAPHS_ATTR) is installed and installed.replays == 0
 
 
@@ -196,6 +198,17 @@ def test_a_wrong_kernel_is_caught_by_the_self_check(emulated_graphs):
         select_kernel(layers, fmt, "graph")
 
 
+def test_the_self_check_catches_a_kernel_that_fills_a_partly_covered_block(emulated_graphs):
+    """The unpack's token mask matters only where this side's last block is covered in
+    part (a peer of smaller blocks); the device self-check has such a case."""
+    emulated_graphs.setattr(EmulatedGraphs, "ignore_mask", True)
+    fmt = PackedFormat.for_cache(3, 2, 4, torch.bfloat16)
+    layers = KVCacheLayers.from_views(side(KVCACHED, 16)[1])
+    described = select_kernel(layers, fmt)
+    assert "unpacked blocks differ (a last block partly covered)" in described
+    assert getattr(layers, GRAPHS_ATTR, None) is None
+
+
 def test_a_self_check_that_ran_on_torch_does_not_pass(emulated_graphs):
     """Every slot in flight sends the self-check's calls down the torch path, which
     would compare torch with itself: that must not count as proof."""
@@ -203,7 +216,7 @@ def test_a_self_check_that_ran_on_torch_does_not_pass(emulated_graphs):
     fmt = PackedFormat.for_cache(3, 2, 4, torch.bfloat16)
     layers = KVCacheLayers.from_views(side(KVCACHED, 16)[1])
     described = select_kernel(layers, fmt)
-    assert "0 of 3 calls ran as graphs" in described and getattr(layers, GRAPHS_ATTR, None) is None
+    assert "0 of 4 calls ran as graphs" in described and getattr(layers, GRAPHS_ATTR, None) is None
 
 
 def test_a_busy_ring_or_a_large_request_takes_the_ordinary_path(emulated_graphs, caplog):

@@ -68,8 +68,9 @@ def test_the_self_check_runs_the_kernel_both_ways(emulated_triton):
     fmt = PackedFormat.for_cache(3, 2, 4, torch.bfloat16)
     layers = KVCacheLayers.from_views(side(LAYOUTS[0], 16)[1], stack=False)
     assert select_kernel(layers, fmt).startswith("Triton")
-    # one pack and two unpacks (the whole extent, a window from block 1) through the kernel
-    assert calls == [True, False, False]
+    # one pack and three unpacks (the whole extent, a window from block 1, an extent
+    # ending inside the last block) through the kernel
+    assert calls == [True, False, False, False]
 
 
 def side(layout, block_size, num_blocks=9, layers=3, heads=2, head_dim=4,
