@@ -91,10 +91,16 @@ lane_gpu() {  # lane_gpu LANE: the GPU a lane's colocated steps use (C: GPU 1 wi
   if [ "$1" = C ]; then echo "$LANE_C_GPU"; else echo 0; fi
 }
 
-lane_ports() {  # lane_ports LANE: the port base of a lane's harnesses (C: its own, so that
-  # two lanes' harnesses started at once never pick the same free ports; cross-* steps
-  # too, since two lanes of correctness runs may share both GPUs)
-  if [ "$1" = C ]; then echo "COLO_PORT_BASE=23000 "; fi
+lane_ports() {  # lane_ports LANE [SLOT]: the port base of a lane's harnesses (C: its own, so
+  # that two lanes' harnesses started at once never pick the same free ports; cross-* steps
+  # too, since two lanes of correctness runs may share both GPUs). SLOT: the place of a step
+  # among those an "a+b" item runs side by side; each gets its own base (2026-11-27, 2 x
+  # H100: lane C's colo-c and colo-d both got 23000, their first kvcached-pd servers met
+  # "Address already in use" and both modes were lost). Slot 0 of lane T keeps the
+  # harnesses' defaults, which differ from one harness to the next.
+  local slot=${2:-0}
+  if [ "$1" = C ]; then echo "COLO_PORT_BASE=$(( 23000 + 1000 * slot )) "
+  elif [ "$slot" -gt 0 ]; then echo "COLO_PORT_BASE=$(( 26000 + 1000 * slot )) "; fi
 }
 
 step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the session's repo
@@ -140,11 +146,11 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
   esac
 }
 
-run_step() {  # run_step LANE STEP: one step inside the session's deadline
+run_step() {  # run_step LANE STEP [SLOT]: one step inside the session's deadline (SLOT: lane_ports)
   local lane=$1 step=$2 w=$S/work/$2 left need t0 rc venv="" path=$PATH
   local LANE_GPU LANE_PORTS
   LANE_GPU=$(lane_gpu "$lane")
-  LANE_PORTS=$(lane_ports "$lane")
+  LANE_PORTS=$(lane_ports "$lane" "${3:-0}")
   need=$(( $(est "$step") * 60 ))
   if [[ "$step" == *@* ]]; then  # another vLLM's venv: wait until its install is done
     venv=${SESSION_VENV_ROOT:-/tmp}/v${step#*@}
@@ -177,7 +183,8 @@ lane() {  # lane NAME STEP...: steps one after the other; "a+b" runs a and b sid
   local name=$1; shift
   for item in "$@"; do
     if [[ "$item" == *+* ]]; then
-      for s in ${item//+/ }; do run_step "$name" "$s" & done
+      local slot=0
+      for s in ${item//+/ }; do run_step "$name" "$s" "$slot" & slot=$((slot + 1)); done
       wait
     else
       run_step "$name" "$item"
@@ -208,8 +215,14 @@ start|dry)
   if [ "$ACTION" = dry ]; then
     plan | while read -r name steps; do
       LANE_GPU=$(lane_gpu "$name")
-      LANE_PORTS=$(lane_ports "$name")
-      for s in ${steps//+/ }; do echo "$name $s: $(step_cmd "$s" "$S/work/$s")"; done
+      for item in $steps; do
+        slot=0
+        for s in ${item//+/ }; do
+          LANE_PORTS=$(lane_ports "$name" "$slot")
+          echo "$name $s: $(step_cmd "$s" "$S/work/$s")"
+          slot=$((slot + 1))
+        done
+      done
     done
     exit 0
   fi

@@ -165,6 +165,26 @@ def test_a_colocated_step_runs_on_its_own_lanes_gpu(tmp_path):
     assert "COLO_PORT_BASE=23000" in lines["C colo-b"] and "COLO_PORT_BASE" not in lines["T colo-d"]
 
 
+def test_steps_run_side_by_side_get_ports_of_their_own(tmp_path):
+    """2 x H100, 2026-11-27: "C colo-c+colo-d" gave both steps COLO_PORT_BASE=23000; their
+    first kvcached-pd servers met "Address already in use" and both modes were lost."""
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2",
+            SESSION_PLAN="T colo-a colo-e+colo-d;C colo-c+colo-d colo-b")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("T ", "C "))]
+    bases = [line.split("COLO_PORT_BASE=")[1].split()[0] if "COLO_PORT_BASE=" in line
+             else None for line in lines]
+    assert bases == [None, None, "27000", "23000", "24000", "23000"], lines
+    started = run(tmp_path, "start", "abc123", SESSION_FAKE_STEPS="1", SESSION_GPUS="2",
+                  SESSION_SECONDS="40", SESSION_PLAN="T colo-a;C colo-c+colo-d")
+    assert started.returncode == 0, started.stderr
+    run(tmp_path, "wait", "60", str(tmp_path / "out"))
+    work = tmp_path / "s" / "work"
+    ports = {step: (work / step / "lane.txt").read_text().split()[0] for step in ("colo-c",
+                                                                             "colo-d")}
+    assert sorted(ports.values()) == ["COLO_PORT_BASE=23000", "COLO_PORT_BASE=24000"]
+
+
 def test_a_started_session_gives_each_lane_its_gpu_and_ports(tmp_path):
     """What the dry run prints must also reach the background lanes (2026-11-26: the
     port helper was not exported to them; lane C's aborts and lane T's kills took the same
