@@ -41,7 +41,8 @@ export HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
 RELEASE_INDEPENDENT=(
   tests/transport/test_extent_tag.py tests/transport/test_format.py
   tests/transport/test_layout.py tests/transport/test_pack.py
-  tests/transport/test_pack_kernels.py tests/transport/test_sizing.py
+  tests/transport/test_pack_kernels.py tests/transport/test_pack_graph.py
+  tests/transport/test_sizing.py
   tests/transport/test_staging.py tests/transport/test_cuda_ipc.py
   tests/test_side_channel_fuzz.py tests/test_wire_fuzz.py tests/test_settings.py
   tests/test_operator_docs.py tests/test_config_and_versions.py tests/test_descriptor_bounds.py
