@@ -373,7 +373,8 @@ def test_any_claim_reply_is_checked_params_or_a_wire_error():
     status_s, changes_s, wholesale_s, age_s = _claim_reply_cases()
 
     @settings(max_examples=400, deadline=None,
-              suppress_health_check=[HealthCheck.function_scoped_fixture])
+              suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                     HealthCheck.too_slow])
     @given(status=status_s, changes=changes_s, wholesale=wholesale_s, age=age_s)
     @example(status="ready", changes={"nbytes": capacity + 1}, wholesale=False, age=0.5)
     @example(status="ready", changes={"engine_id": "p-2"}, wholesale=False, age=0.5)

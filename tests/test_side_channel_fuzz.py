@@ -151,7 +151,8 @@ def exchange(sock, message: bytes) -> bytes:
 
 
 @settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
 @given(prefix=st.sampled_from(PREFIXES), body=peer_bytes())
 def test_the_listener_answers_every_message_and_then_a_valid_request(listener, prefix, body):
     reply = exchange(listener, prefix + body)
