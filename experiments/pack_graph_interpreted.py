@@ -31,19 +31,11 @@ from kvcached_pd.transport import pack as pk  # noqa: E402
 from kvcached_pd.transport import pack_graph as pg  # noqa: E402
 from kvcached_pd.transport.format import TAG_BYTES, PackedFormat, packed_extent_view  # noqa: E402
 from kvcached_pd.transport.layout import KVCacheLayers  # noqa: E402
-from tests.transport.kv_cache_builders import LAYOUTS, Geometry, fill_random_bits  # noqa: E402
+from tests.transport.kv_cache_builders import LAYOUTS, decode_side, side  # noqa: E402
 
 
 BLOCK_IDS_P = [7, 2, 5, 0, 8]
-BLOCK_IDS_D = [4, 1, 6, 3, 2]
 FMT = PackedFormat.for_cache(3, 2, 4, torch.bfloat16)
-
-
-def caches(layout, block_size: int, seed: int):
-    g = Geometry(3, 9, block_size, 2, 4)
-    buffers = layout.new_buffers(g, torch.bfloat16)
-    fill_random_bits(buffers, torch.Generator().manual_seed(seed))
-    return g, buffers, layout.logical_views(buffers, g)
 
 
 def run_kernel(views, record: bytes, to_packed: bool) -> None:
@@ -66,7 +58,7 @@ def run_kernel(views, record: bytes, to_packed: bool) -> None:
 def check(layout, p_bs: int, num_p_blocks: int, short: int) -> dict:
     """Pack ``num_p_blocks`` blocks of ``p_bs`` tokens; unpack ``short`` fewer tokens than
     slots on a side of 16-token blocks."""
-    _, _, p_views = caches(layout, p_bs, seed=1)
+    _, p_views = side(layout, p_bs, seed=1)
     ids = BLOCK_IDS_P[:num_p_blocks]
     slots = len(ids) * p_bs
     extent = torch.full((FMT.extent_bytes(slots),), 0xA5, dtype=torch.uint8)
@@ -79,11 +71,8 @@ def check(layout, p_bs: int, num_p_blocks: int, short: int) -> dict:
     pack_ok = (torch.equal(extent[:-TAG_BYTES], reference[:-TAG_BYTES])
                and bytes(extent[-TAG_BYTES:].tolist()) == tag)
 
-    g, d_buffers, d_views = caches(layout, 16, seed=2)
-    num_tokens = slots - short
-    d_ids = BLOCK_IDS_D[:math.ceil(num_tokens / 16)]
-    expected = [b.clone() for b in d_buffers]
-    pk.unpack_reference(layout.logical_views(expected, g), d_ids, extent, FMT, num_tokens, slots)
+    d_buffers, d_views, expected, d_ids, _ = decode_side(layout, 16, slots - short, 0, extent,
+                                                         FMT, slots)
     run_kernel(d_views, pg.encode(packed.data_ptr(), array.array("q", d_ids), slots, 0, None),
                False)
     unpack_ok = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))

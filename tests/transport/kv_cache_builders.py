@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.layout import AttnCacheSpec, logical_kv_view
+from kvcached_pd.transport.pack import unpack_reference
 
 
 @dataclass(frozen=True)
@@ -302,3 +304,29 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(
         {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
     )
+
+
+def side(layout: CacheLayout, block_size: int, num_blocks: int = 9, layers: int = 3,
+         heads: int = 2, head_dim: int = 4, dtype: torch.dtype = torch.bfloat16,
+         seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One side's caches of random bits: ``(buffers, logical views)``."""
+    g = Geometry(layers, num_blocks, block_size, heads, head_dim)
+    buffers = layout.new_buffers(g, dtype)
+    fill_random_bits(buffers, torch.Generator().manual_seed(seed))
+    return buffers, layout.logical_views(buffers, g)
+
+
+def decode_side(layout: CacheLayout, block_size: int, num_tokens: int, cached: int,
+                extent: torch.Tensor, fmt: PackedFormat, src_tok_slots: int):
+    """A decode side (3 layers of 9 blocks, seed 2) that holds its first ``cached`` blocks
+    from its prefix cache, and what unpacking tokens ``[cached * block_size, num_tokens)``
+    of ``extent`` must leave in it, by the token-by-token reference.
+
+    Returns ``(buffers, views, expected buffers, block ids, first token)``."""
+    buffers, views = side(layout, block_size, seed=2)
+    expected = [b.clone() for b in buffers]
+    ids = [4, 1, 6][: -(-num_tokens // block_size)][cached:]
+    first = cached * block_size
+    unpack_reference(layout.logical_views(expected, Geometry(3, 9, block_size, 2, 4)), ids,
+                     extent, fmt, num_tokens, src_tok_slots, first)
+    return buffers, views, expected, ids, first

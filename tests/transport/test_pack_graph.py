@@ -27,11 +27,10 @@ from kvcached_pd.transport.pack import (
     pack_request,
     pack_request_reference,
     select_kernel,
-    unpack_reference,
     unpack_request,
 )
 from kvcached_pd.transport.pack_graph import HEADER_WORDS, SlotRing, encode
-from tests.transport.kv_cache_builders import LAYOUTS, LAYOUTS_BY_NAME, Geometry, fill_random_bits
+from tests.transport.kv_cache_builders import LAYOUTS, LAYOUTS_BY_NAME, decode_side, side
 
 KVCACHED = LAYOUTS_BY_NAME["kv_first_kvcached_contiguous"]
 
@@ -104,14 +103,6 @@ def emulated_graphs(monkeypatch):
     return monkeypatch
 
 
-def side(layout, block_size, num_blocks=9, layers=3, heads=2, head_dim=4,
-         dtype=torch.bfloat16, seed=0):
-    g = Geometry(layers, num_blocks, block_size, heads, head_dim)
-    buffers = layout.new_buffers(g, dtype)
-    fill_random_bits(buffers, torch.Generator().manual_seed(seed))
-    return buffers, layout.logical_views(buffers, g)
-
-
 # ---- the record and the ring ------------------------------------------------------------
 def test_the_record_carries_every_per_request_value_at_its_word():
     tag = bytes(range(TAG_BYTES))
@@ -171,13 +162,8 @@ def test_graphs_move_the_same_bytes(emulated_graphs, layout, p_bs, d_bs, num_tok
     assert bytes(extent[-TAG_BYTES:].tolist()) == tag
     assert getattr(p_layers, GRAPHS_ATTR).replays == 1
 
-    d_buffers, d_views = side(layout, d_bs, seed=2)
-    expected = [b.clone() for b in d_buffers]
-    g = Geometry(3, 9, d_bs, 2, 4)
-    d_ids = [4, 1, 6][: -(-num_tokens // d_bs)][cached:]
-    first = cached * d_bs
-    unpack_reference(layout.logical_views(expected, g), d_ids, extent, fmt, num_tokens, slots,
-                     first)
+    d_buffers, d_views, expected, d_ids, first = decode_side(layout, d_bs, num_tokens, cached,
+                                                             extent, fmt, slots)
     d_layers = KVCacheLayers.from_views(d_views)
     select_kernel(d_layers, fmt)
     start, _ = fmt.window(slots, first)  # the window a D with a prefix hit reads

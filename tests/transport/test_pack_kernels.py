@@ -23,10 +23,9 @@ from kvcached_pd.transport.pack import (
     pack_request,
     pack_request_reference,
     select_kernel,
-    unpack_reference,
     unpack_request,
 )
-from tests.transport.kv_cache_builders import LAYOUTS, Geometry, fill_random_bits
+from tests.transport.kv_cache_builders import LAYOUTS, decode_side, side
 
 
 def emulated_copy_blocks(words, addrs, index, packed_words, packed_tok_stride, to_packed,
@@ -73,14 +72,6 @@ def test_the_self_check_runs_the_kernel_both_ways(emulated_triton):
     assert calls == [True, False, False, False]
 
 
-def side(layout, block_size, num_blocks=9, layers=3, heads=2, head_dim=4,
-         dtype=torch.bfloat16, seed=0):
-    g = Geometry(layers, num_blocks, block_size, heads, head_dim)
-    buffers = layout.new_buffers(g, dtype)
-    fill_random_bits(buffers, torch.Generator().manual_seed(seed))
-    return buffers, layout.logical_views(buffers, g)
-
-
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize("p_bs,d_bs,num_tokens,cached", [
     (16, 16, 40, 0), (16, 32, 40, 0), (8, 32, 35, 0),
@@ -98,13 +89,8 @@ def test_one_launch_path_moves_the_same_bytes(emulated_triton, layout, p_bs, d_b
     pack_request(p_layers, p_ids, extent, fmt)
     assert torch.equal(extent, pack_request_reference(p_views, p_ids, fmt))
 
-    d_buffers, d_views = side(layout, d_bs, seed=2)
-    expected = [b.clone() for b in d_buffers]
-    g = Geometry(3, 9, d_bs, 2, 4)
-    d_ids = [4, 1, 6][: -(-num_tokens // d_bs)][cached:]
-    first = cached * d_bs
-    unpack_reference(layout.logical_views(expected, g), d_ids, extent, fmt, num_tokens, slots,
-                     first)
+    d_buffers, d_views, expected, d_ids, first = decode_side(layout, d_bs, num_tokens, cached,
+                                                             extent, fmt, slots)
     d_layers = KVCacheLayers.from_views(d_views, stack=False)
     select_kernel(d_layers, fmt)
     assert getattr(d_layers, PLAN_ATTR) is not None
