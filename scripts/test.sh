@@ -50,6 +50,7 @@ RELEASE_INDEPENDENT=(
   experiments/tests/test_gpu_memory.py
   experiments/tests/test_load_harness.py experiments/tests/test_model_runner_env.py
   experiments/tests/test_offline_harness.py experiments/tests/test_trace_timeline.py
+  experiments/tests/test_ttft_batch_timeline.py
   experiments/tests/test_ucx_fault_injector.py experiments/tests/test_session_driver.py
   experiments/tests/test_bench_pack_latency.py experiments/tests/test_chunk_split.py
 )
