@@ -162,7 +162,7 @@ class Bench:
             extra_args=shlex.split(a.extra_serve_args or ""),
             logging_config_path=write_vllm_logging_config(
                 os.path.join(self.out, "vllm_logging.json")),
-            kv_role_style="both" if a.kv_both else "split")
+            kv_role_style="both" if a.kv_both else "split", cuda_graphs=a.cuda_graphs)
         self.http_ports = PortAllocator(a.port_base)
         self.side_ports = PortAllocator(a.side_channel_port_base)
         self.proxy_ports = PortAllocator(a.proxy_port_base)
@@ -735,6 +735,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="command that runs `vllm serve` (default: $KVPD_VLLM_CMD, else this "
                          "python -m vllm.entrypoints.cli.main serve)")
     ap.add_argument("--extra-serve-args", default="")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="run every instance with vLLM's CUDA graphs (default: --enforce-eager)")
     ap.add_argument("--port-base", type=int, default=HTTP_PORT_BASE + 200)
     ap.add_argument("--side-channel-port-base", type=int, default=SIDE_CHANNEL_PORT_BASE + 200)
     ap.add_argument("--proxy-port-base", type=int, default=PROXY_PORT_BASE + 200)

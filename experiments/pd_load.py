@@ -1103,6 +1103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="command that runs `vllm serve` (default: $KVPD_VLLM_CMD, else this "
                          "python -m vllm.entrypoints.cli.main serve)")
     ap.add_argument("--extra-serve-args", default="")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="run every instance with vLLM's CUDA graphs (default: --enforce-eager)")
     ap.add_argument("--kvcached-env", action="append", default=[], metavar="KEY=VALUE",
                     help="a KVCACHED_* setting for every kvcached instance, e.g. "
                          "KVCACHED_MAX_CACHED_TOKENS=200000 (default: kvcached's defaults; "

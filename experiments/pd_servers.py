@@ -105,6 +105,12 @@ class ServeSettings:
     extra_args: list[str] = field(default_factory=list)
     logging_config_path: str | None = None
     kv_role_style: str = "split"  # split: kv_producer/kv_consumer; both: kv_both
+    # False: every instance runs eager (--enforce-eager: starts in seconds, not the
+    # minute of torch.compile and graph capture); True: vLLM's default, CUDA graphs.
+    # Eager decode steps of the test models cost 22-38 ms of host launches (2 x H200,
+    # 2026-11-27d), and vLLM PD's decode side runs one step more than one instance before
+    # its first token, so TTFT ratios to one instance differ between the two.
+    cuda_graphs: bool = False
 
 
 def serve_settings_from_args(args, **overrides) -> ServeSettings:
@@ -123,7 +129,8 @@ def serve_settings_from_args(args, **overrides) -> ServeSettings:
         model=args.model, max_model_len=args.max_model_len, gpu_memory_utilization=gmu,
         kv_cache_bytes=kv_bytes,
         vllm_cmd=shlex.split(args.vllm_cmd) if args.vllm_cmd else default_vllm_cmd(),
-        extra_args=shlex.split(args.extra_serve_args or ""), **overrides)
+        extra_args=shlex.split(args.extra_serve_args or ""),
+        cuda_graphs=bool(getattr(args, "cuda_graphs", False)), **overrides)
 
 
 def default_vllm_cmd() -> list[str]:
@@ -138,7 +145,7 @@ def serve_args(settings: ServeSettings, port: int, block_size: int,
         settings.model,
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--enforce-eager",
+        *([] if settings.cuda_graphs else ["--enforce-eager"]),
         "--no-enable-prefix-caching",
         "--max-model-len", str(settings.max_model_len),
         "--block-size", str(block_size),

@@ -18,6 +18,9 @@
 #          instance's GPU memory before, under (sampled peak) and after the load, and idle;
 #          KVCACHED_PD_TRACE=1 (--trace): the per-stage timeline of where the TTFT goes
 #          (results/2026-11-25-h100-colocated/where-the-time-goes.md had no trace of the load).
+#          COLO_B_MODELS (default "kvbig tiny"): the loads to run, in order (one alone gets
+#          the whole part); COLO_CUDA_GRAPHS=1 (parts a and b): vLLM's CUDA graphs in every
+#          instance instead of --enforce-eager (below).
 #   PART c (~6 min): equivalence with D's prefix cache on, push legs sent at once: reference,
 #          vanilla, staged pull and push on kvcached's default (contiguous) layout and on
 #          the split layout, mixed fleets both ways, P16/D32, the negative control (must
@@ -93,6 +96,12 @@ GPU_ARGS=(--prefill-gpu "$P_GPU" --decode-gpu "$D_VISIBLE")
 # from +400 (unset: their defaults). Two parts started at once on one host with the same
 # defaults pick the same free ports, and a harness then takes the other's servers for its
 # own (2026-11-26: lane C's aborts run sent its requests to lane T's kvbig servers).
+# COLO_CUDA_GRAPHS=1: parts a and b run every instance with vLLM's CUDA graphs (its
+# default) instead of --enforce-eager (the harnesses' default: eager decode steps of the
+# test models cost 22-38 ms of host launches, and D runs one step more than one instance
+# before its first token).
+GRAPH_ARGS=()
+[ "${COLO_CUDA_GRAPHS:-0}" = 1 ] && GRAPH_ARGS=(--cuda-graphs)
 PORT_ARGS=()
 if [ -n "${COLO_PORT_BASE:-}" ]; then
   PORT_ARGS=(--port-base "$COLO_PORT_BASE" --side-channel-port-base $((COLO_PORT_BASE + 200))
@@ -133,17 +142,28 @@ a)
   run timeout --signal=TERM --kill-after=20 $(( $(left) - 5 )) \
     python3 "$HERE/bench_transfer.py" --out "$W/bench" --model "$KVBIG" \
     --modes vanilla,staged-contiguous,staged-nixl --sizes 4,94,1024 --staging-mb 0 \
-    --ttft-batch 8 --ttft-prompt-tokens 3000 --deadline-s $(( $(left) - 20 )) "${GPU_ARGS[@]}"
+    --ttft-batch 8 --ttft-prompt-tokens 3000 --deadline-s $(( $(left) - 20 )) \
+    "${GRAPH_ARGS[@]}" "${GPU_ARGS[@]}"
   echo "rc bench=$?"
   ;;
 b)
-  traffic kvbig $(( $(left) * 11 / 20 )) --model "$KVBIG" \
-    --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
-    --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 --settle-s 20 \
-    --expect-wire ipc --trace "${GPU_ARGS[@]}"
-  traffic tiny $(( $(left) - 25 )) --model "$TINY" \
-    --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
-    --push-concurrent --repeats 3 --settle-s 20 --expect-wire ipc --trace "${GPU_ARGS[@]}"
+  read -r -a b_models <<< "${COLO_B_MODELS:-kvbig tiny}"
+  for m in "${b_models[@]}"; do
+    case "$m" in
+      kvbig)  # 11/20 of the part when tiny follows, all of it alone
+        share=20; [ "${#b_models[@]}" -gt 1 ] && share=11
+        traffic kvbig $(( $(left) * share / 20 - (share == 20 ? 25 : 0) )) --model "$KVBIG" \
+          --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
+          --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 --settle-s 20 \
+          --expect-wire ipc --trace "${GRAPH_ARGS[@]}" "${GPU_ARGS[@]}" ;;
+      tiny)
+        traffic tiny $(( $(left) - 25 )) --model "$TINY" \
+          --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
+          --push-concurrent --repeats 3 --settle-s 20 --expect-wire ipc --trace \
+          "${GRAPH_ARGS[@]}" "${GPU_ARGS[@]}" ;;
+      *) echo "COLO_B_MODELS: unknown model '$m' (kvbig, tiny)" >&2; exit 2 ;;
+    esac
+  done
   ;;
 c)
   read -r -a eq_modes <<< "${COLO_EQ_MODES:-reference vanilla staged-contiguous \

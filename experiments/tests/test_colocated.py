@@ -435,6 +435,34 @@ def test_part_e_prints_a_status_only_for_the_probes_it_ran(tmp_path, models):
         assert printed & {"probe", "selftest"} == want
 
 
+def test_cuda_graphs_and_the_loads_of_part_b_when_asked(tmp_path, models):
+    """COLO_CUDA_GRAPHS=1 reaches parts a and b's harnesses (eager otherwise: every result
+    before 2026-11-27d); COLO_B_MODELS=kvbig gives the kvbig load the whole part."""
+    def loads(**env):
+        return [(pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]]),
+                 int(next(x.split("=", 1)[1] for x in argv
+                          if x.startswith("TRAFFIC_BUDGET_S="))))
+                for argv in _dry_run(tmp_path, "b", **env, **models)
+                if any(x.endswith("traffic.sh") for x in argv)]
+
+    (kvbig, k_budget), (tiny, _) = loads()
+    assert not kvbig.cuda_graphs and not tiny.cuda_graphs
+    assert kvbig.model.endswith("kvbig") and tiny.model.endswith("tiny")
+    ((alone, a_budget),) = loads(COLO_CUDA_GRAPHS="1", COLO_B_MODELS="kvbig")
+    assert alone.cuda_graphs and alone.model.endswith("kvbig") and alone.ttft_batch == 8
+    assert a_budget > k_budget + 200  # the whole part, less the packing margin
+    ((t, _),) = loads(COLO_B_MODELS="tiny")
+    assert t.model.endswith("tiny") and not t.cuda_graphs
+    for graphs, want in (("0", False), ("1", True)):
+        (argv,) = _dry_run(tmp_path, "a", COLO_CUDA_GRAPHS=graphs, **models)
+        assert bench_transfer.parse_args(_after(argv, "bench_transfer.py")).cuda_graphs is want
+    res = subprocess.run(["bash", os.path.join(EXP, "run_colocated_on_host.sh"),
+                          str(tmp_path / "out"), "b"], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, COLO_DRY_RUN="1",
+                                              COLO_B_MODELS="kvbig huge", **models))
+    assert res.returncode == 2 and "unknown model 'huge'" in res.stderr
+
+
 def test_a_port_base_reaches_every_harness_of_a_part(tmp_path, models):
     for part in "bcdef":
         for argv in _dry_run(tmp_path, part, COLO_PORT_BASE="23000", **models):

@@ -73,6 +73,18 @@ def test_every_mode_parses(serve_parser, mode_name):
             assert cfg_obj.kv_role in ("kv_producer", "kv_consumer")
 
 
+def test_cuda_graphs_drop_enforce_eager(serve_parser):
+    """--cuda-graphs (COLO_CUDA_GRAPHS=1) leaves vLLM its default CUDA graphs; the default
+    stays eager, as every committed result before 2026-11-27d was measured."""
+    for graphs in (False, True):
+        settings = pd_servers.ServeSettings(model="/tmp/tiny", max_model_len=4096,
+                                            gpu_memory_utilization=0.04, kv_cache_bytes=None,
+                                            vllm_cmd=["vllm", "serve"], cuda_graphs=graphs)
+        args = pd_servers.serve_args(settings, 18100, 16, None)
+        ns = serve_parser.parse_args(["--model", args[0], *args[1:]])
+        assert ns.enforce_eager is (not graphs)
+
+
 def test_logging_config_loads_in_vllm(tmp_path):
     path = pd_servers.write_vllm_logging_config(str(tmp_path / "logging.json"))
     import logging.config
