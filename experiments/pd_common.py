@@ -306,6 +306,8 @@ class M:
     KVPD_MOVED_SUM = "vllm:kvcached_pd_moved_bytes_sum"
     KVPD_MOVED_COUNT = "vllm:kvcached_pd_moved_bytes_count"
     KVPD_SKIPPED = "vllm:kvcached_pd_prefix_skipped_bytes_total"
+    # packs and unpacks that took the ordinary kernels under installed CUDA graphs
+    KVPD_GRAPH_FALLBACKS = "vllm:kvcached_pd_graph_fallbacks_total"
 
 
 def metric_delta(before: MetricSnapshot | None, after: MetricSnapshot | None, name: str,

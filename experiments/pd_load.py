@@ -493,6 +493,7 @@ class LoadHarness:
                 "staged_loads": per_side(M.KVPD_MOVED_COUNT),
                 "moved_bytes": per_side(M.KVPD_MOVED_SUM),
                 "prefix_skipped_bytes": per_side(M.KVPD_SKIPPED),
+                "graph_fallbacks": per_side(M.KVPD_GRAPH_FALLBACKS),
                 "aborted_requests": per_side(M.REQUEST_SUCCESS, finished_reason="abort")}
 
     def fault_evidence(self, run: ModeRun) -> dict:
@@ -743,6 +744,8 @@ class LoadHarness:
             "wires": wire_evidence(run.instances["decode"].log_path)["wires"]
             if "decode" in run.instances else [],
             "staging_waits": {s: total("staging_waits", s) for s in ("prefill", "decode")},
+            # packs / unpacks the CUDA graphs refused (ring busy, request too large)
+            "graph_fallbacks": {s: total("graph_fallbacks", s) for s in ("prefill", "decode")},
             "nixl_failed_transfers": total("nixl_failed_transfers"),
             "ucx_faults_injected": _faults_injected(reps),
             "latency": latency_stats(pooled),

@@ -22,6 +22,7 @@ from kvcached_pd.connector.tokens import new_token
 from kvcached_pd.connector.wire import PARAMS_KEY
 from kvcached_pd.connector.region import StagingAgent
 from kvcached_pd.transport import cuda_ipc
+from kvcached_pd.transport import pack as pack_mod
 from tests.support import connector_pd as pd
 from tests.support import fake_cuda_ipc
 from tests.test_connector_pd import (  # noqa: F401 - staged_env is a fixture
@@ -86,6 +87,36 @@ def test_a_same_host_peer_is_unpacked_straight_from_p_staging(staged_env, ipc, r
     assert d.series("kvcached_pd_decode_staging_bytes") == [], "D reserved staging"
     # D's DONE (a NIXL notification without a READ) frees P's extent and blocks
     assert saw_done(p, d, "r1"), "D's DONE never reached P"
+    assert settle(p, d)
+
+
+class _BusyGraphs:
+    """CUDA graphs installed whose every slot is still in flight: each pack and unpack
+    takes the ordinary kernels (what ``GraphLauncher.run`` does with a busy ring)."""
+
+    word = torch.int64  # what the graph kernel moves; staged extents are 4 KiB-aligned
+
+    def __init__(self) -> None:
+        self.fallbacks = 0
+
+    def run(self, *args, **kwargs) -> bool:
+        self.fallbacks += 1
+        return False
+
+
+def test_calls_the_graphs_refuse_are_counted_in_each_workers_stats(staged_env, ipc, reads):
+    """vllm:kvcached_pd_graph_fallbacks: P's packs and D's unpacks that took the ordinary
+    kernels under installed graphs, each counted once, by the worker that made them."""
+    p = pd.make_engine("p", "kv_producer", seed=11)
+    d = pd.make_engine("d", "kv_consumer", seed=12)
+    for engine in (p, d):
+        object.__setattr__(engine.worker._region.layers, pack_mod.GRAPHS_ATTR, _BusyGraphs())
+    for i, prompt in enumerate((list(range(3, 40)), list(range(5, 70)))):
+        params, p_blocks, d_blocks = handoff(p, d, f"r{i}", prompt)
+        assert same_kv(p, d, p_blocks, d_blocks, len(prompt))  # the same bytes
+    assert sum(p.series("kvcached_pd_graph_fallbacks")) == 2
+    assert sum(d.series("kvcached_pd_graph_fallbacks")) == 2
+    assert wire_of(d).name == "ipc"
     assert settle(p, d)
 
 

@@ -199,6 +199,7 @@ def metrics_text(st: State) -> str:
             f"vllm:kvcached_pd_unpack_seconds_count{{{lbl}}} {c['unpack_count']}",
             f"vllm:kvcached_pd_handoff_seconds_sum{{{lbl}}} {c['handoff_sum']}",
             f"vllm:kvcached_pd_direct_fallbacks_total{{{lbl}}} 0.0",
+            f"vllm:kvcached_pd_graph_fallbacks_total{{{lbl}}} 0.0",
         ]
         if not os.environ.get("FAKE_VLLM_NO_WIRE_COUNTER"):
             lines.append(f"vllm:kvcached_pd_wire_fallbacks_total{{{lbl}}} "

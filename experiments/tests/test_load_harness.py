@@ -266,6 +266,8 @@ def test_load_with_aborts_passes_and_reports_everything(tmp_path):
     assert modes["kvpd-staged"]["checks"]["staging"] == ["pass"]
     assert modes["kvpd-staged"]["direct_fallbacks"] == {"prefill": 0, "decode": 0}
     assert modes["kvpd-staged"]["staging_waits"] == {"prefill": None, "decode": None}
+    assert modes["kvpd-staged"]["graph_fallbacks"] == {"prefill": 0, "decode": 0}
+    assert modes["vanilla"]["graph_fallbacks"] == {"prefill": None, "decode": None}
     assert modes["kvpd-push"]["vs_vanilla"]["latency.e2e_p50_ms"] > 0
     detail = json.loads((out / "modes" / "kvpd-staged.json").read_text())
     reps = detail["repeats"]

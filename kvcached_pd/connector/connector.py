@@ -49,7 +49,7 @@ from kvcached_pd.connector.stats import merge_samples
 from kvcached_pd.connector.wire import format_hash
 from kvcached_pd.transport import sizing
 from kvcached_pd.transport.format import PackedFormat, format_of_kv_cache_config
-from kvcached_pd.transport.pack import select_kernel
+from kvcached_pd.transport.pack import graph_fallbacks, select_kernel
 from kvcached_pd.transport.staging import ExtentAllocator
 from kvcached_pd.versions import installed_version
 
@@ -113,6 +113,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         self._prefill_worker: PrefillWorker | None = None
         self._decode_worker: DecodeWorker | None = None
         self._region: StagingRegion | None = None
+        self._graph_fallbacks_seen = 0  # graph_fallbacks already reported in stats
         self._listener: HandshakeListener | None = None
         self._invalid_blocks: set[int] = set()
         self._lease_log_filter: logging.Filter | None = None
@@ -266,6 +267,11 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         for side in (self._prefill, self._decode, self._prefill_worker, self._decode_worker):
             if side is not None:
                 samples.append(side.take_samples())
+        if self._region is not None:  # one count per worker, whichever side packed
+            total = graph_fallbacks(self._region.layers)
+            if total > self._graph_fallbacks_seen:
+                samples.append({"graph_fallbacks": [total - self._graph_fallbacks_seen]})
+                self._graph_fallbacks_seen = total
         return merge_samples(stats, samples, type(self._inner))
 
     # ============================================================= worker side

@@ -15,7 +15,7 @@ PREFIX = "kvcached_pd_"
 STAT_KEYS = tuple(PREFIX + key for key in (
     "pack_duration", "read_duration", "handoff_duration", "unpack_duration", "prefill_staging_bytes",
     "decode_staging_bytes", "direct_fallbacks", "staging_waits", "read_spin", "wire_fallbacks",
-    "moved_bytes", "prefix_skipped_bytes"))
+    "moved_bytes", "prefix_skipped_bytes", "graph_fallbacks"))
 _ALIASES = {"waits": "staging_waits"}
 
 

@@ -58,6 +58,10 @@ SERIES = (
     ("kvcached_pd_prefix_skipped_bytes", "vllm:kvcached_pd_prefix_skipped_bytes",
      "kvcached-pd: decode side, bytes of P's extents not moved because D's prefix cache "
      "held their tokens", None),
+    ("kvcached_pd_graph_fallbacks", "vllm:kvcached_pd_graph_fallbacks",
+     "kvcached-pd: packs and unpacks that took the ordinary kernels though the CUDA graphs "
+     "are installed (all slots in flight, or a request larger than a slot holds): the "
+     "same bytes, more host time", None),
 )
 assert {key for key, *_ in SERIES} == set(STAT_KEYS)
 TIME_BUCKETS = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,

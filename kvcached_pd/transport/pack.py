@@ -356,9 +356,20 @@ def _graphs(layers: KVCacheLayers, packed: torch.Tensor) -> pack_graph.GraphLaun
     """The layers' CUDA graphs, if :func:`select_kernel` installed them and this extent
     can be moved as their words (extents are 4 KiB-aligned in staging, so it can)."""
     graphs = getattr(layers, GRAPHS_ATTR, None)
-    if graphs is None or not _fits_words(packed, graphs.word):
+    if graphs is None:
+        return None
+    if not _fits_words(packed, graphs.word):
+        graphs.fallbacks += 1
         return None
     return graphs
+
+
+def graph_fallbacks(layers: KVCacheLayers) -> int:
+    """Pack and unpack calls that took the ordinary kernels though the layers' CUDA
+    graphs are installed (0 without graphs): a busy ring under load is not an error,
+    the same bytes move, but each such call costs the host 0.2-0.4 ms more."""
+    graphs = getattr(layers, GRAPHS_ATTR, None)
+    return 0 if graphs is None else graphs.fallbacks
 
 
 @dataclass(frozen=True)

@@ -221,6 +221,9 @@ class GraphLauncher:
         self._events = [self._new_event() for _ in range(slots)]
         self.ring = SlotRing(slots, lambda i: self._events[i].query())
         self.replays = 0
+        # calls that took the ordinary kernels instead (busy ring, more blocks than a
+        # slot holds, an extent not on a word boundary): vllm:kvcached_pd_graph_fallbacks
+        self.fallbacks = 0
         self._capture(bs, heads, dw, first.stride()[:4])
 
     def _new_event(self) -> Any:
@@ -270,9 +273,11 @@ class GraphLauncher:
         """Queue one pack (``to_packed``) or unpack on the current stream; False, with
         nothing queued, when the ring is busy or the call is too large for a slot."""
         if len(ids) > self.max_blocks or extent_addr % self.word_bytes:
+            self.fallbacks += 1
             return False
         slot = self.ring.acquire()
         if slot is None:
+            self.fallbacks += 1
             if self.ring.busy == 1:  # once: more in flight than slots is worth knowing
                 logger.info("kvcached-pd: all %d pack/unpack CUDA graph slots in flight; "
                             "calls beyond them take the ordinary kernels (same bytes, "

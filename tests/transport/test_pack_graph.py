@@ -24,6 +24,7 @@ from kvcached_pd.transport.format import TAG_BYTES, PackedFormat
 from kvcached_pd.transport.layout import KVCacheLayers
 from kvcached_pd.transport.pack import (
     GRAPHS_ATTR,
+    graph_fallbacks,
     pack_request,
     pack_request_reference,
     select_kernel,
@@ -223,6 +224,9 @@ def test_a_busy_ring_or_a_large_request_takes_the_ordinary_path(emulated_graphs,
     # 3 blocks > max_blocks, and once every slot is in flight: torch, same bytes
     assert all(results) and graphs.replays == graphs.slots and graphs.ring.busy == 1
     assert "all 32 pack/unpack CUDA graph slots in flight" in caplog.text
+    # the large one and the busy one, for vllm:kvcached_pd_graph_fallbacks
+    assert graphs.fallbacks == 2 and graph_fallbacks(layers) == 2
+    assert graph_fallbacks(KVCacheLayers.from_views(side(KVCACHED, 16)[1])) == 0  # no graphs
 
 
 def test_without_triton_or_cuda_the_graphs_cannot_be_forced():
