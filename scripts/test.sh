@@ -20,7 +20,7 @@
 #    depend on the release; one that needs vLLM fails and is moved out of the list);
 # 2. per release, the tests that build NIXL agents inside the pytest process
 #    (tests/test_connector_*.py, tests/test_nixl_registration*.py), in two processes;
-# 3. per release, everything else.
+# 3. per release, everything else, in two processes.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -85,6 +85,15 @@ for path in "${NIXL_IN_PROCESS[@]}"; do
 done
 for path in "${NIXL_WAITS[@]}"; do  # a renamed file must not drop out of both halves
   [ -f "$path" ] || { echo "scripts/test.sh: NIXL_WAITS names $path, which is gone" >&2; exit 1; }
+done
+# Group 3 runs as two processes side by side too: REST_CHILDREN (files whose tests start
+# Python processes that import vLLM, so CPU-bound) and the others. As one process it was
+# every release's longest group (195-250 s beside the two NIXL halves, 2 cores, fresh
+# clone 2026-11-27; on vLLM 0.30.0 alone 139 s, 133 s of CPU), these files about half of it.
+REST_CHILDREN=(tests/test_kvcached_coexistence.py tests/test_patch_lifecycle.py
+               tests/test_forked_children.py)
+for path in "${REST_CHILDREN[@]}"; do
+  [ -f "$path" ] || { echo "scripts/test.sh: REST_CHILDREN names $path, which is gone" >&2; exit 1; }
 done
 
 # kvcached only ships a source archive that builds against a CUDA torch; the tests
@@ -181,18 +190,21 @@ install() {  # version, base venv or "": build (or keep) the venv of one release
   echo "    (installed in $((SECONDS - start)) s)"
 }
 
-# A release's three groups run side by side, and the next release's venv is built beside
+# A release's four groups run side by side, and the next release's venv is built beside
 # them: the groups wait on leases, timeouts and child processes for much of their time
 # (one full run in sequence kept 2 cores 40% busy: 31 CPU-minutes in 38 minutes). The
 # release-independent group runs beside the last release's (the shortest).
 ignore=()
-for path in "${NIXL_IN_PROCESS[@]}" "${RELEASE_INDEPENDENT[@]}"; do ignore+=(--ignore="$path"); done
+for path in "${NIXL_IN_PROCESS[@]}" "${RELEASE_INDEPENDENT[@]}" "${REST_CHILDREN[@]}"; do
+  ignore+=(--ignore="$path")
+done
 install "${MATRIX[0]}" ""
 for i in "${!MATRIX[@]}"; do
   version=${MATRIX[$i]}
   venv="$VENVS/vllm-$version"
   start_group "vLLM $version (nixl, waits)" "$venv" "${NIXL_WAITS[@]}"
   start_group "vLLM $version (nixl, others)" "$venv" "${NIXL_OTHERS[@]}"
+  start_group "vLLM $version (rest, children)" "$venv" "${REST_CHILDREN[@]}"
   start_group "vLLM $version (rest)" "$venv" tests experiments/tests "${ignore[@]}"
   next=$((i + 1))
   if [ "$next" -lt "${#MATRIX[@]}" ]; then
