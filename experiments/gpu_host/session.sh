@@ -33,8 +33,9 @@
 #                parts b to e across them, in a SESSION_PLAN)
 #   with one GPU: one lane, in the order handoff, ab21, serve, colo-c, colo-d, colo-a,
 #     colo-b, serve-cap (every step alone on the GPU).
-#   colo-g (not by default) colo-b's kvbig load and TTFT batch with vLLM's CUDA graphs in
-#     every instance (COLO_CUDA_GRAPHS=1; the harnesses run eager by default)
+#   colo-g, colo-h (not by default) colo-b's kvbig load and TTFT batch (g), its tiny load
+#     (h), each with the whole part and vLLM's CUDA graphs in every instance
+#     (COLO_CUDA_GRAPHS=1; the harnesses run eager by default)
 #   colo-e (either plan: not by default) run_colocated_on_host.sh part e: kill D, then P,
 #     mid-load; colo-f, cross-f: part f, UCX faults.
 #   chunks (not by default) chunk_split.py on the lane's GPU: greedy tokens per prefill cut
@@ -75,7 +76,7 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
     cross-a) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
-    cross-b) echo 5 ;; colo-g) echo 8 ;; colo-e|cross-e) echo 8 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
+    cross-b) echo 5 ;; colo-g|colo-h) echo 8 ;; colo-e|cross-e) echo 8 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
     launch) echo 1 ;;
     *) echo 5 ;;
   esac
@@ -137,8 +138,9 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
                  "--out $w/launch-paths.json > $w/launch-paths.log 2>&1" ;;
     colo-a) echo "KVPD_GPUS='0 0' bash experiments/run_colocated_on_host.sh $w a" ;;
     colo-b) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w b" ;;
-    colo-g) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' COLO_CUDA_GRAPHS=1 COLO_B_MODELS=kvbig" \
-                 "bash experiments/run_colocated_on_host.sh $w b" ;;
+    colo-[gh]) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' COLO_CUDA_GRAPHS=1" \
+                    "COLO_B_MODELS=$([ "$step" = colo-g ] && echo kvbig || echo tiny)" \
+                    "bash experiments/run_colocated_on_host.sh $w b" ;;
     colo-c) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w c" ;;
     colo-d) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU'" \
                  "COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \

@@ -165,6 +165,18 @@ def test_a_colocated_step_runs_on_its_own_lanes_gpu(tmp_path):
     assert "COLO_PORT_BASE=23000" in lines["C colo-b"] and "COLO_PORT_BASE" not in lines["T colo-d"]
 
 
+def test_the_cuda_graph_loads_run_part_b_with_graphs_one_model_each(tmp_path):
+    """colo-g / colo-h: the kvbig / tiny load of part b with vLLM's CUDA graphs (the
+    harnesses' instances run eager otherwise), on the lane's GPU."""
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2", SESSION_PLAN="T colo-g;C colo-h")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(":")[0]: line for line in r.stdout.splitlines()}
+    for name, gpu, model in (("T colo-g", 0, "kvbig"), ("C colo-h", 1, "tiny")):
+        assert f"KVPD_GPUS='{gpu} {gpu}'" in lines[name] and "COLO_CUDA_GRAPHS=1" in lines[name]
+        assert f"COLO_B_MODELS={model} " in lines[name]
+        assert lines[name].endswith(f"/work/{name.split()[1]} b")  # part b
+
+
 def test_steps_run_side_by_side_get_ports_of_their_own(tmp_path):
     """2 x H100, 2026-11-27: "C colo-c+colo-d" gave both steps COLO_PORT_BASE=23000; their
     first kvcached-pd servers met "Address already in use" and both modes were lost."""
