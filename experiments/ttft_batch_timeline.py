@@ -16,6 +16,8 @@ the batch's first client send:
   D arr / D match D: arrival (the proxy's second leg) / the scheduler takes it as staged
   D read          D: the unpack enqueued (the KV is D's from here)
   D step          D: the step running the request's own first forward is scheduled
+  step ms         that step's period (its ``step`` trace line: scheduled to the
+                  scheduler's next round; "-" for a trace without step lines)
   1st tok         the client's first token (its ``ttft_s``)
   step>tok        1st tok - D step: D's first forward, its output and the way back
 
@@ -35,8 +37,8 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from trace_timeline import read_events  # noqa: E402
 
-COLUMNS = ("P arr", "P adm", "P fin", "D arr", "D match", "D read", "D step", "1st tok",
-           "step>tok")
+COLUMNS = ("P arr", "P adm", "P fin", "D arr", "D match", "D read", "D step", "step ms",
+           "1st tok", "step>tok")
 _CORE = re.compile(r"load-[0-9a-f]+-(\d+)")
 
 
@@ -81,6 +83,15 @@ def batch_rows(client: list[dict], prefill: list[dict], decode: list[dict]) -> l
     def ms(t: float | None) -> float | None:
         return None if t is None else round(1e3 * (t - t0), 1)
 
+    steps = [e for e in decode if e["ev"] == "step"]
+
+    def step_ms(t: float) -> float | None:
+        """The period of the D step whose scheduling logged ``t``."""
+        for e in steps:
+            if e["start"] <= t <= e["start"] + e["until_next_ms"] / 1e3:
+                return e["until_next_ms"]
+        return None
+
     rows = []
     for rec in sorted(client, key=lambda r: r.get("index", 0)):
         p, d = by_index.get(rec.get("index"), ({}, {}))
@@ -97,6 +108,7 @@ def batch_rows(client: list[dict], prefill: list[dict], decode: list[dict]) -> l
             "D match": ms(match["t"]) if match else None,
             "D read": ms(d["read_done"]["t"]) if "read_done" in d else None,
             "D step": ms(step["t"]) if step else None,
+            "step ms": step_ms(step["t"]) if step else None,
             "1st tok": ms(first),
         }
         row["step>tok"] = (round(row["1st tok"] - row["D step"], 1)

@@ -618,6 +618,39 @@ def test_trace_follows_one_handoff_on_both_sides(staged_env, monkeypatch, caplog
     assert [e["t"] for e in on_d] == sorted(e["t"] for e in on_d)
 
 
+def test_trace_times_each_step_that_computed_tokens(staged_env, monkeypatch, caplog):
+    """``step`` lines: one per scheduler step that computed tokens, with its period (the
+    scheduler's next round), on both sides; none for steps that computed nothing, none
+    with the trace off."""
+    import logging
+
+    from kvcached_pd.transport import trace
+
+    caplog.set_level(logging.INFO, logger="kvcached_pd")
+    for on in (True, False):
+        monkeypatch.setenv("KVCACHED_PD_TRACE", "1" if on else "0")
+        trace.reset()
+        caplog.clear()
+        try:
+            p = pd.make_engine("p", "kv_producer", seed=19)
+            d = pd.make_engine("d", "kv_consumer", seed=20)
+            handoff(p, d, f"s{on}", list(range(2, 42)))
+            for engine in (p, d):  # one more round each: the last step's line
+                engine.step()
+        finally:
+            trace.reset()
+        steps = [e for e in (trace.parse_line(r.getMessage()) for r in caplog.records)
+                 if e and e["ev"] == "step"]
+        if not on:
+            assert steps == []
+            continue
+        assert steps and all(e["tokens"] > 0 and e["reqs"] >= 1 for e in steps)
+        assert all(0 <= e["until_next_ms"] < 30_000 and e["start"] <= e["t"] for e in steps)
+        # P's prefill of the 40-token prompt, and D's own forward of its last token
+        assert 40 in [e["tokens"] for e in steps]
+        assert any(e["tokens"] < 40 for e in steps)
+
+
 def test_a_connector_left_without_shutdown_can_be_collected(staged_env):
     """Nothing process-wide (the lease-expiry log filter on vLLM's logger) keeps a
     connector alive: each one holds a NIXL agent whose UCX progress thread polls while

@@ -31,6 +31,8 @@ def _load_dir(tmp_path, monkeypatch):
         (100.100, "d_match", d.format(0), {"since_arrival_ms": 4.0}),
         (100.105, "read_done", d.format(0), {"handoff_ms": 1.0}),
         (100.104, "d_compute_scheduled", d.format(0), {"tokens": 1}),
+        (100.140, "step", "", {"start": 100.1035, "until_next_ms": 36.5, "tokens": 1,
+                               "reqs": 1}),  # the step that scheduled request 0's forward
         (100.220, "d_match", d.format(1), {"since_arrival_ms": 8.0}),
         (100.226, "read_done", d.format(1), {"handoff_ms": 1.0}),
         (100.224, "d_compute_scheduled", d.format(1), {"tokens": 1}),
@@ -52,10 +54,11 @@ def test_each_batch_request_gets_its_own_stages(tmp_path, monkeypatch, capsys):
     first, second = ttft_batch_timeline.batch_rows(client, events["prefill"], events["decode"])
     assert first == {"name": "ttft-0-3000", "P arr": 5.0, "P adm": 10.0, "P fin": 90.0,
                      "D arr": 96.0, "D match": 100.0, "D read": 105.0, "D step": 104.0,
-                     "1st tok": 160.0, "step>tok": 56.0}
+                     "step ms": 36.5, "1st tok": 160.0, "step>tok": 56.0}
     # the second waited 140 ms for room in P's staging; the later run's index 1 is not it
     assert (second["P arr"], second["P adm"]) == (10.0, 150.0)
     assert (second["D step"], second["1st tok"], second["step>tok"]) == (224.0, 282.0, 58.0)
+    assert second["step ms"] is None  # no step line covers its scheduling
     assert ttft_batch_timeline.main([str(load), "--modes", "kvpd-staged,kvpd-push"]) == 0
     out = capsys.readouterr().out
     assert "ttft-1-3000" in out and "kvpd-push: no " in out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,7 @@ from kvcached_pd.connector.side_channel import (
 )
 from kvcached_pd.connector.stats import merge_samples
 from kvcached_pd.connector.wire import format_hash
-from kvcached_pd.transport import sizing
+from kvcached_pd.transport import sizing, trace
 from kvcached_pd.transport.format import PackedFormat, format_of_kv_cache_config
 from kvcached_pd.transport.pack import graph_fallbacks, select_kernel
 from kvcached_pd.transport.staging import ExtentAllocator
@@ -114,6 +115,7 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         self._decode_worker: DecodeWorker | None = None
         self._region: StagingRegion | None = None
         self._graph_fallbacks_seen = 0  # graph_fallbacks already reported in stats
+        self._open_step: tuple[float, int, int] | None = None  # the trace's last step
         self._listener: HandshakeListener | None = None
         self._invalid_blocks: set[int] = set()
         self._lease_log_filter: logging.Filter | None = None
@@ -167,6 +169,8 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
+        if trace.enabled():
+            self._trace_step(scheduler_output)
         meta = StepMetadata(inner=self._inner.build_connector_meta(scheduler_output))
         if self._prefill is not None:
             meta.packs = self._prefill.on_step(scheduler_output, vllm_api.yield_req_data)
@@ -176,6 +180,20 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
             meta.recvs, meta.cancelled = self._decode.take_orders()
             self._decode.on_step(scheduler_output)
         return meta
+
+    def _trace_step(self, scheduler_output: Any) -> None:
+        """A ``step`` trace line for the last step that computed tokens, now that the
+        scheduler has come round again: from its scheduling to this one's, the engine
+        step's period (its forward and sampling; under vLLM's asynchronous scheduling
+        the pipelined period; after an idle spell, the idle time too)."""
+        now = time.time()
+        if self._open_step is not None:
+            start, tokens, reqs = self._open_step
+            trace.trace("step", "", start=round(start, 6), until_next_ms=round(
+                1e3 * (now - start), 3), tokens=tokens, reqs=reqs)
+        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        self._open_step = (now, tokens, len(getattr(
+            scheduler_output, "num_scheduled_tokens", None) or ())) if tokens else None
 
     def update_connector_output(self, connector_output: Any) -> None:
         report = connector_output.kv_connector_worker_meta

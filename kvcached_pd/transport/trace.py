@@ -31,6 +31,12 @@ decode   ``d_match`` (scheduler: the request is taken as staged, before vLLM all
          ``tokens``); a full prefix hit instead: ``d_full_hit`` (scheduler;
          ``cached_tokens``) and ``done_sent`` (the DONE alone; ``skipped``)
 
+both     ``step`` (scheduler; ``req`` empty): a step that computed tokens, logged when the
+         scheduler comes round again: ``start``, ``until_next_ms`` (its period: forward
+         and sampling, the pipelined period under asynchronous scheduling, idle time
+         after the engine's last step), ``tokens``, ``reqs``. What a P prefill step or
+         a D decode step costs while the other instance shares the GPU.
+
 Off by default: a disabled trace costs one cached boolean test per event.
 """
 
