@@ -370,8 +370,9 @@ VARIABLES: tuple[Variable, ...] = (
              "startup. See \"Trust model\" below",
              _parse_side_channel_secret, "side_channel_secret"),
     Variable(KVCACHED_PD_TRACE, "off", "log one `kvcached-pd trace {json}` line per handoff "
-             "event (both sides); `experiments/trace_timeline.py LOG_DIR` turns them into "
-             "per-stage timelines", _parse_bool(KVCACHED_PD_TRACE), "trace"),
+             "event and per engine step that computed tokens (both sides); "
+             "`experiments/trace_timeline.py LOG_DIR` turns them into per-stage timelines",
+             _parse_bool(KVCACHED_PD_TRACE), "trace"),
     Variable(KVCACHED_PD_STRICT, "off", "re-raise errors inside import hooks (tests)",
              _parse_bool(KVCACHED_PD_STRICT), "strict"),
     Variable(KVCACHED_PD_TEST_CORRUPT, "off", "TEST ONLY: D negates the first received block "
