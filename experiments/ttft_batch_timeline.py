@@ -32,10 +32,9 @@ import json
 import os
 import re
 import sys
-from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from trace_timeline import read_events  # noqa: E402
+from trace_timeline import _by_request, read_events  # noqa: E402
 
 COLUMNS = ("P arr", "P adm", "P fin", "D arr", "D match", "D read", "D step", "step ms",
            "1st tok", "step>tok")
@@ -52,12 +51,12 @@ def _arrival(ev: dict) -> float:
 
 
 def _first_by_request(events: list[dict]) -> dict[str, dict[str, dict]]:
-    out: dict[str, dict[str, dict]] = defaultdict(dict)
-    for ev in events:
-        for req in str(ev["req"]).split(","):
-            core = _core(req)
-            if core is not None:
-                out[core[0]].setdefault(ev["ev"], ev)
+    """trace_timeline's per-request first events, keyed by the load client's id."""
+    out: dict[str, dict[str, dict]] = {}
+    for req, evs in _by_request(events).items():
+        core = _core(req)
+        if core is not None:
+            out[core[0]] = evs
     return out
 
 

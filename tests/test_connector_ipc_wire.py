@@ -99,8 +99,11 @@ class _BusyGraphs:
     def __init__(self) -> None:
         self.fallbacks = 0
 
-    def run(self, *args, **kwargs) -> bool:
+    def refused(self) -> None:
         self.fallbacks += 1
+
+    def run(self, *args, **kwargs) -> bool:
+        self.refused()
         return False
 
 

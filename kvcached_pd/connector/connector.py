@@ -191,9 +191,9 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
             start, tokens, reqs = self._open_step
             trace.trace("step", "", start=round(start, 6), until_next_ms=round(
                 1e3 * (now - start), 3), tokens=tokens, reqs=reqs)
-        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
-        self._open_step = (now, tokens, len(getattr(
-            scheduler_output, "num_scheduled_tokens", None) or ())) if tokens else None
+        tokens = scheduler_output.total_num_scheduled_tokens
+        self._open_step = ((now, tokens, len(scheduler_output.num_scheduled_tokens))
+                           if tokens else None)
 
     def update_connector_output(self, connector_output: Any) -> None:
         report = connector_output.kv_connector_worker_meta

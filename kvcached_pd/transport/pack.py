@@ -359,7 +359,7 @@ def _graphs(layers: KVCacheLayers, packed: torch.Tensor) -> pack_graph.GraphLaun
     if graphs is None:
         return None
     if not _fits_words(packed, graphs.word):
-        graphs.fallbacks += 1
+        graphs.refused()
         return None
     return graphs
 

@@ -222,8 +222,10 @@ class GraphLauncher:
         self.ring = SlotRing(slots, lambda i: self._events[i].query())
         self.replays = 0
         # calls that took the ordinary kernels instead (busy ring, more blocks than a
-        # slot holds, an extent not on a word boundary): vllm:kvcached_pd_graph_fallbacks
+        # slot holds, an extent not on a word boundary): vllm:kvcached_pd_graph_fallbacks;
+        # P's pack and D's unpack may count from two threads (refused)
         self.fallbacks = 0
+        self._count_lock = threading.Lock()
         self._capture(bs, heads, dw, first.stride()[:4])
 
     def _new_event(self) -> Any:
@@ -268,16 +270,21 @@ class GraphLauncher:
     def _replay(self, slot: int, to_packed: bool) -> None:
         self._graphs[to_packed][slot].replay()
 
+    def refused(self) -> None:
+        """Count one call that takes the ordinary kernels instead of a graph."""
+        with self._count_lock:
+            self.fallbacks += 1
+
     def run(self, to_packed: bool, extent_addr: int, ids: array.array, valid_slots: int,
             tag_addr: int = 0, tag: bytes | None = None, started: Any = None) -> bool:
         """Queue one pack (``to_packed``) or unpack on the current stream; False, with
         nothing queued, when the ring is busy or the call is too large for a slot."""
         if len(ids) > self.max_blocks or extent_addr % self.word_bytes:
-            self.fallbacks += 1
+            self.refused()
             return False
         slot = self.ring.acquire()
         if slot is None:
-            self.fallbacks += 1
+            self.refused()
             if self.ring.busy == 1:  # once: more in flight than slots is worth knowing
                 logger.info("kvcached-pd: all %d pack/unpack CUDA graph slots in flight; "
                             "calls beyond them take the ordinary kernels (same bytes, "

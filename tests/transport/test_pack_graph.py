@@ -229,6 +229,24 @@ def test_a_busy_ring_or_a_large_request_takes_the_ordinary_path(emulated_graphs,
     assert graph_fallbacks(KVCacheLayers.from_views(side(KVCACHED, 16)[1])) == 0  # no graphs
 
 
+def test_an_extent_off_the_graphs_word_takes_the_ordinary_path_and_is_counted(
+        emulated_graphs):
+    """Staged extents are 4 KiB-aligned; one that is not (2 bytes in) cannot be moved as
+    the graph kernel's words: the ordinary kernels move it, and the call is counted."""
+    fmt = PackedFormat.for_cache(3, 2, 4, torch.bfloat16)
+    _, views = side(KVCACHED, 16, seed=5)
+    layers = KVCacheLayers.from_views(views)
+    select_kernel(layers, fmt, "graph")
+    graphs = getattr(layers, GRAPHS_ATTR)
+    ids = [3, 1]
+    nbytes = fmt.extent_bytes(16 * len(ids))
+    extent = torch.zeros(nbytes + 2, dtype=torch.uint8)[2:]
+    replays = graphs.replays
+    pack_request(layers, ids, extent, fmt)
+    assert torch.equal(extent, pack_request_reference(views, ids, fmt))
+    assert graphs.replays == replays and graph_fallbacks(layers) == 1
+
+
 def test_without_triton_or_cuda_the_graphs_cannot_be_forced():
     fmt = PackedFormat.for_cache(3, 2, 4, torch.bfloat16)
     layers = KVCacheLayers.from_views(side(KVCACHED, 16)[1])
