@@ -71,12 +71,14 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   # across two GPUs no NIXL pair moves KV at 0.5 GB/s: 2 x H100, 2026-11-26, cross-a took
   # 100-123 s and cross-b 216-253 s, and cross-b's 9 minutes kept cross-c from starting;
   # cross-d started with 300 s left ran 4 of its 5 abort repeats: 6 minutes; cross-f took
-  # 133 s on 2 x H100, 2026-11-27)
+  # 133 s on 2 x H100, 2026-11-27; 2 x H200, 2026-11-27e: colo-g took 150-192 s and colo-h
+  # 157 s with vLLM's CUDA graphs (its 8 minutes kept colo-h out of a 620 s session), cross-b
+  # 293 s)
   [ -n "${SESSION_FAKE_STEPS:-}" ] && { echo 0; return; }
   case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
     cross-a) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
-    cross-b) echo 5 ;; colo-g|colo-h) echo 8 ;; colo-e|cross-e) echo 8 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
+    cross-b) echo 6 ;; colo-g|colo-h) echo 4 ;; colo-e|cross-e) echo 8 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
     launch) echo 1 ;;
     *) echo 5 ;;
   esac

@@ -228,6 +228,11 @@ def test_cross_gpu_steps_are_gated_by_their_own_times_not_the_one_gpu_ones():
     assert minutes("cross-b@030") == minutes("cross-b")
     # started with its 5 minutes left, cross-d had 280 s and ran 4 of the 5 abort repeats
     assert minutes("cross-d") * 60 - 20 > 280
+    # 2 x H200, 2026-11-27e: cross-b 293 s; colo-g 150-192 s and colo-h 157 s on CUDA
+    # graphs, whose 8 minutes kept colo-h out of a session with 470 s left
+    assert minutes("cross-b") * 60 >= 293 + 20
+    for step in ("colo-g", "colo-h"):
+        assert 192 + 20 <= minutes(step) * 60 < 470
 
 
 def test_check_uploads_refuses_a_folder_the_checkout_leaves_no_room_for(tmp_path):
