@@ -331,7 +331,8 @@ VARIABLES: tuple[Variable, ...] = (
              _parse_transport, "transport"),
     Variable(KVCACHED_PD_STAGING_MB, "sized from the engine", "MiB of staging per role "
              "(prefill, decode; a `kv_both` instance has both) of each worker, ordinary device "
-             "memory registered with NIXL. Unset: min(KV budget, max(2 x one max_model_len "
+             "memory registered with NIXL (the decode range at the first READ over NIXL, never "
+             "on the CUDA IPC wire; at start-up with `KVCACHED_PD_WIRE=nixl`). Unset: min(KV budget, max(2 x one max_model_len "
              "request, 2 x max_num_batched_tokens, 2 GiB)) of KV. A full staging makes "
              "requests wait, never take the direct path; a size that cannot hold one "
              "max_model_len request, or more than the device's free memory, stops startup",
@@ -348,7 +349,8 @@ VARIABLES: tuple[Variable, ...] = (
              "per peer, CUDA IPC when P is on this host and D can open P's staging (same GPU, "
              "or a GPU it can peer with; containers need a shared IPC namespace, e.g. "
              "`--ipc=host`), NIXL otherwise, logged once per peer; `nixl`: always a NIXL READ "
-             "into D's staging; `ipc`: CUDA IPC only (a peer it cannot open fails its "
+             "into D's staging (allocated at start-up; otherwise at the first READ over "
+             "NIXL); `ipc`: CUDA IPC only (a peer it cannot open fails its "
              "requests' loads, never takes NIXL)", _parse_wire, "wire"),
     Variable(KVCACHED_PD_READ_SPIN_US, str(DEFAULT_READ_SPIN_US), "decode side: wait up to this "
              "long, within one engine step, for a staged READ predicted to end inside it; `0` "

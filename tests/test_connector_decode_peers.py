@@ -10,11 +10,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from kvcached_pd.connector import decode_scheduler
 from kvcached_pd.connector.decode_scheduler import ClaimProbe, DecodeScheduler
 from kvcached_pd.connector.decode_worker import DecodeWorker
-from kvcached_pd.connector.region import StagingAgent, StagingRegion
+from kvcached_pd.connector.region import DecodeStaging, StagingAgent, StagingRegion
 from kvcached_pd.connector.side_channel import HandshakeListener
 from kvcached_pd.connector.wire import WIRE_VERSION, StagedParams, WireError, format_hash
 from kvcached_pd.transport.format import PackedFormat
@@ -29,7 +30,8 @@ def region() -> StagingRegion:
     handshake and the probe use of it; no KV cache behind it)."""
     buffer = StagingBuffer(1 << 20, "cpu")
     agent = StagingAgent(buffer.tensor)
-    return StagingRegion(fmt=FMT, plan=None, buffer=buffer, agent=agent, layers=None,
+    return StagingRegion(fmt=FMT, plan=None, buffer=buffer, agent=agent,
+                         decode=DecodeStaging(1 << 20, torch.device("cpu"), agent), layers=None,
                          kernel_block_size=16, ratio=1, tp_rank=0, tp_size=1, head_start=0,
                          head_count=FMT.num_kv_heads)
 

@@ -169,7 +169,8 @@ def _read_p_staging(d) -> str:
     wire = wire_of(d)
     agent = d.worker._region.agent
     try:
-        handle = agent.read(wire.peer, wire.handshake, 0, 0, 4096, b"probe")
+        handle = agent.read(wire.peer, wire.handshake, 0, d.worker._region.decode.address(0),
+                            4096, b"probe")
     except Exception as exc:  # noqa: BLE001 - NIXL's refusal is the answer
         return f"refused: {type(exc).__name__}: {exc}"
     deadline = time.monotonic() + 10
@@ -743,3 +744,109 @@ def test_vllm_requests_carry_the_arrival_time_a_pulled_read_deadline_counts_from
     assert sched._read_deadline(req, entry) >= time.monotonic() + 14.0
     sched._read_deadline(req, entry)
     assert caplog.text.count("carries no arrival time") == 1
+
+
+# ---- D's staging range: allocated only for a READ over NIXL -------------------------
+def test_d_on_the_ipc_wire_never_allocates_its_decode_staging(staged_env, ipc, reads):
+    """D's staging range is where a NIXL READ lands (2 x max_num_batched_tokens of KV by
+    default: 4 096 of an idle kvbig D's 6 690 MiB, 2 x H200, 2026-11-27); the IPC wire
+    unpacks from P's memory, so a D whose peers all take it never allocates the range."""
+    p = pd.make_engine("p", "kv_producer", seed=61)
+    d = pd.make_engine("d", "kv_consumer", seed=62)
+    decode = d.worker._region.decode
+    assert decode.allocator.capacity_bytes > 0 and not decode.allocated
+    for i, prompt in enumerate((list(range(3, 40)), list(range(5, 90)))):
+        params, p_blocks, d_blocks = handoff(p, d, f"r{i}", prompt)
+        assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+    assert wire_of(d).name == "ipc" and reads == []
+    assert not decode.allocated, "D allocated the staging range the IPC wire never uses"
+    assert settle(p, d)
+
+
+def test_d_allocates_its_decode_staging_at_its_first_read_over_nixl(staged_env, ipc, reads,
+                                                                     caplog):
+    ipc.fail_open = "the peer runs in another IPC namespace on this host"
+    p = pd.make_engine("p", "kv_producer", seed=63)
+    d = pd.make_engine("d", "kv_consumer", seed=64)
+    decode = d.worker._region.decode
+    assert not decode.allocated
+    tensors = []
+    with caplog.at_level(logging.INFO, logger="kvcached_pd"):
+        for i, prompt in enumerate((list(range(1, 30)), list(range(9, 60)))):
+            params, p_blocks, d_blocks = handoff(p, d, f"r{i}", prompt)
+            assert same_kv(p, d, p_blocks, d_blocks, len(prompt))
+            tensors.append(decode.tensor)
+    assert wire_of(d).name == "nixl" and len(reads) == 2
+    assert tensors[0] is not None and tensors[1] is tensors[0], "allocated more than once"
+    assert decode.tensor.numel() == decode.allocator.capacity_bytes
+    said = [r for r in caplog.records if "decode staging allocated" in r.getMessage()]
+    assert len(said) == 1
+    assert settle(p, d)
+
+
+def test_wire_nixl_allocates_the_decode_staging_at_start_up(staged_env, ipc, monkeypatch):
+    """Every peer of KVCACHED_PD_WIRE=nixl READs: the range is allocated with the engine,
+    so that a device without room for it stops startup as before."""
+    monkeypatch.setenv("KVCACHED_PD_WIRE", "nixl")
+    d = pd.make_engine("d", "kv_consumer", seed=65)
+    assert d.worker._region.decode.allocated
+
+
+@pytest.mark.parametrize("what", ["allocation", "registration"])
+def test_no_room_for_the_decode_staging_fails_that_load_and_a_later_one_reads(
+        staged_env, ipc, reads, monkeypatch, what):
+    """The device filled up since start-up (kvcached lends it to other models), or NIXL
+    refused to register the range: the request that would READ fails its load through
+    vLLM's own path, D lives, and the next request that needs the range allocates it."""
+    from kvcached_pd.connector.region import DecodeStaging
+    from kvcached_pd.transport.staging import StagingError
+
+    ipc.fail_open = "the peer runs in another IPC namespace on this host"
+    p = pd.make_engine("p", "kv_producer", seed=66)
+    d = pd.make_engine("d", "kv_consumer", seed=67)
+    room = {"free": False}
+    if what == "allocation":
+        real_ensure = DecodeStaging.ensure
+
+        def ensure(self):
+            if self.tensor is None and not room["free"]:
+                raise StagingError("could not allocate the decode staging (injected)")
+            return real_ensure(self)
+
+        monkeypatch.setattr(DecodeStaging, "ensure", ensure)
+    else:
+        real_register = StagingAgent.register
+
+        def register(self, tensor):
+            if not room["free"]:
+                raise RuntimeError("NIXL_ERR_BACKEND (injected)")
+            return real_register(self, tensor)
+
+        monkeypatch.setattr(StagingAgent, "register", register)
+    invalid = pd.record_load_errors(d)
+    prompt = list(range(3, 40))
+    p.sched.add_request(pd.prefill_request("x1", prompt))
+    assert pd.run([p], lambda: "x1" in p.outputs)
+    d.sched.add_request(pd.decode_request("d-x1", prompt, p.outputs["x1"].kv_transfer_params))
+    assert pd.run([p, d], lambda: bool(invalid), timeout_s=10), "no failed load reported"
+    assert len(invalid) == -(-len(prompt) // 16) and reads == []
+    assert not d.worker._region.decode.allocated
+    assert pd.run([p, d], lambda: not d.sched.requests, timeout_s=10)
+    room["free"] = True
+    params, p_blocks, d_blocks = handoff(p, d, "x2", list(range(7, 50)))
+    assert same_kv(p, d, p_blocks, d_blocks, 43) and len(reads) == 1
+    assert d.worker._region.decode.allocated
+
+
+def test_a_kv_both_worker_offers_its_prefill_range_alone(staged_env, ipc):
+    """P's handshake offers what P packs into: a kv_both worker's decode range (where
+    its own READs land) is not part of it, so no peer's READ or mapping reaches it."""
+    b = pd.make_engine("b", "kv_both", seed=68)
+    region = b.worker._region
+    offered = region.handshake("b")
+    assert region.plan.prefill_bytes and region.plan.decode_bytes
+    assert offered.staging_bytes == region.plan.prefill_bytes
+    assert not region.decode.allocated
+    tensor = region.decode.ensure()
+    base = offered.staging_base
+    assert not base <= tensor.data_ptr() < base + offered.staging_bytes

@@ -114,5 +114,5 @@ def staging_used(engine) -> int:
     if getattr(conn, "_prefill", None) is not None:
         used += conn._prefill.allocator.used_bytes + len(conn._prefill.staged)
     if getattr(worker, "_region", None) is not None:
-        used += worker._region.buffer.allocator.used_bytes
+        used += worker._region.decode.allocator.used_bytes
     return used

@@ -112,7 +112,7 @@ def staging_used(engine) -> int:
     if conn._prefill is not None:
         used += conn._prefill.allocator.used_bytes
     if worker._region is not None:
-        used += worker._region.buffer.allocator.used_bytes
+        used += worker._region.decode.allocator.used_bytes
     return used
 
 

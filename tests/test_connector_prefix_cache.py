@@ -97,12 +97,11 @@ def moved(monkeypatch):
     bytes; none on the IPC wire), the staging it reserved, and the window each unpack
     read (bytes, first slot), by request id."""
     from kvcached_pd.connector import decode_worker as decode_mod
-    from kvcached_pd.connector.region import StagingAgent
+    from kvcached_pd.connector.region import DecodeStaging, StagingAgent
     from kvcached_pd.connector.wire import Done
-    from kvcached_pd.transport.staging import StagingBuffer
 
     log = {"read": {}, "alloc": {}, "unpack": []}
-    read, alloc, unpack = StagingAgent.read, StagingBuffer.alloc, decode_mod.unpack_request
+    read, alloc, unpack = StagingAgent.read, DecodeStaging.alloc, decode_mod.unpack_request
 
     def spy_read(self, peer, handshake, remote_offset, local_offset, nbytes, notif):
         log["read"][Done.decode(notif).request_id] = (remote_offset, nbytes)
@@ -119,7 +118,7 @@ def moved(monkeypatch):
                       first_token, extent_first, **kwargs)
 
     monkeypatch.setattr(StagingAgent, "read", spy_read)
-    monkeypatch.setattr(StagingBuffer, "alloc", spy_alloc)
+    monkeypatch.setattr(DecodeStaging, "alloc", spy_alloc)
     monkeypatch.setattr(decode_mod, "unpack_request", spy_unpack)
     return log
 
@@ -253,15 +252,15 @@ def test_an_abort_between_match_and_read_moves_nothing_for_it(staged_env, monkey
     is never READ; the other READs only its window once room frees; both sides settle."""
     from vllm.v1.request import RequestStatus
 
-    from kvcached_pd.transport.staging import StagingBuffer
+    from kvcached_pd.connector.region import DecodeStaging
 
     p, d = engines(monkeypatch, "NixlConnector", 16, "nixl", seed=71)
     try:
         handoff(p, d, "first", FIRST, d_prefix="")
         assert settled(p, d)
         full = {"on": True}
-        alloc = StagingBuffer.alloc  # the spy
-        monkeypatch.setattr(StagingBuffer, "alloc",
+        alloc = DecodeStaging.alloc  # the spy
+        monkeypatch.setattr(DecodeStaging, "alloc",
                             lambda self, n, owner: None if full["on"] else alloc(self, n, owner))
         prompts = {"keep": SECOND, "gone": FIRST[:SHARED] + list(range(700, 740))}
         for req_id, prompt in prompts.items():

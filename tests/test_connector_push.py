@@ -142,7 +142,7 @@ def test_push_decode_aborts_leave_nothing_after_the_lease(staged_env, shut_down)
     assert pd.run([p, d], lambda: "late" in d.outputs and d.outputs["late"].finished)
     assert pd.run([p, d], lambda: not p.sched.requests and not d.sched.requests
                   and not p.connector._prefill.staged
-                  and d.worker._region.buffer.allocator.used_bytes == 0,
+                  and d.worker._region.decode.allocator.used_bytes == 0,
                   timeout_s=LEASE_S + 10), "an abort left blocks or staging behind"
 
 

@@ -217,7 +217,7 @@ def test_a_decode_abort_while_claiming_leaves_nothing_after_the_lease(staged_env
     assert_same_kv(want, got, len(PROMPT))
     assert pd.run([p, d], lambda: not p.sched.requests and not d.sched.requests
                   and not p.connector._prefill.staged
-                  and d.worker._region.buffer.allocator.used_bytes == 0
+                  and d.worker._region.decode.allocator.used_bytes == 0
                   and not d.worker._decode_worker.queued,
                   timeout_s=LEASE_S + 10), "an abort left blocks or staging behind"
 

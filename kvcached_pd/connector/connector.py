@@ -304,7 +304,8 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         tp_rank = vllm_api.tp_rank()
         self._region = StagingRegion.create(
             kv_caches, self._kv_cache_config, self._fmt, plan, tp_rank, 1,
-            offer_ipc=bool(plan.prefill_bytes) and self._serving.wire != "nixl")
+            offer_ipc=bool(plan.prefill_bytes) and self._serving.wire != "nixl",
+            eager_decode=self._serving.wire == "nixl")
         kernels = select_kernel(self._region.layers, self._fmt, self._settings.pack_kernel)
         if plan.prefill_bytes:
             self._prefill_worker = PrefillWorker(
@@ -322,12 +323,14 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         region = self._region
         logger.info(
             "kvcached-pd: staged transport ready (%s mode, inner %s): %d MiB staging (%s; "
-            "prefill %d MiB, decode %d MiB, %s) registered with its own NIXL agent, packed "
+            "prefill %d MiB, decode %d MiB%s, %s) registered with its own NIXL agent, packed "
             "format %s, %d layers x "
             "%d-token kernel blocks, pack/unpack kernels: %s; wire %s (%s)",
             "push" if self._push else "pull",
-            type(self._inner).__name__, region.buffer.tensor.numel() >> 20,
+            type(self._inner).__name__, plan.total_bytes >> 20,
             region.agent.memory_type, plan.prefill_bytes >> 20, plan.decode_bytes >> 20,
+            "" if region.decode.allocated or not plan.decode_bytes else
+            " allocated at the first READ over NIXL, never on the CUDA IPC wire",
             plan.rule, self._fmt.to_dict(), region.layers.num_layers, region.kernel_block_size,
             kernels, self._serving.wire, _wire_summary(self._serving.wire, region))
 

@@ -56,7 +56,7 @@ from kvcached_pd.connector.wire import (
 )
 from kvcached_pd.transport.format import TAG_BYTES
 from kvcached_pd.transport.pack import unpack_request
-from kvcached_pd.transport.staging import EXPECTED_READ_BYTES_PER_S, Extent
+from kvcached_pd.transport.staging import EXPECTED_READ_BYTES_PER_S, Extent, StagingError
 from kvcached_pd.transport.trace import trace
 
 logger = logging.getLogger("kvcached_pd")
@@ -279,7 +279,7 @@ class DecodeWorker:
                 continue
             params, deadline, failure = claim_outcome(
                 req_id, read.order.claim, reply, self.region.digest,
-                self.region.buffer.allocator.capacity_bytes, read.order.num_tokens, now,
+                self.region.decode.allocator.capacity_bytes, read.order.num_tokens, now,
                 by="worker")
             if params is None:
                 del self.queued[req_id]
@@ -434,14 +434,19 @@ class DecodeWorker:
                 continue
             read.window = self.region.fmt.window(params.n_tok_slots, read.order.first_token)
             if wire.uses_staging and read.extent is None:
-                read.extent = self.region.buffer.alloc(read.window[1], req_id)
+                try:
+                    read.extent = self.region.decode.alloc(read.window[1], req_id)
+                except StagingError as exc:  # no room on the device for D's staging
+                    del self.queued[req_id]
+                    self._fail(req_id, read, f"no decode staging to READ into: {exc}")
+                    continue
                 if read.extent is None:
                     if not read.waited:
                         read.waited = True
                         self.samples.setdefault("waits", []).append(1)
                         logger.info("kvcached-pd: decode staging full (%d MiB used); request "
                                     "%s waits for room",
-                                    self.region.buffer.allocator.used_bytes >> 20, req_id)
+                                    self.region.decode.allocator.used_bytes >> 20, req_id)
                     break  # keep arrival order
                 self._usage_changed()
             try:
@@ -615,7 +620,7 @@ class DecodeWorker:
                 self.samples.setdefault("unpack_duration", []).append(
                     start.elapsed_time(end) / 1e3)
             if extent is not None:
-                self.region.buffer.free(extent)
+                self.region.decode.free(extent)
                 freed = True
             if notify is not None:
                 wire, message, req_id = notify
@@ -632,7 +637,7 @@ class DecodeWorker:
 
     def _usage_changed(self) -> None:
         self.samples.setdefault("decode_staging_bytes", []).append(
-            self.region.buffer.allocator.used_bytes)
+            self.region.decode.allocator.used_bytes)
 
     def take_samples(self) -> dict[str, list[float]]:
         samples, self.samples = self.samples, {}

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
+from kvcached_pd.config import KVCACHED_PD_STAGING_MB
 from kvcached_pd.connector.wire import RankHandshake, WIRE_VERSION, WireError, format_hash
 from kvcached_pd.transport import cuda_ipc
 from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view
 from kvcached_pd.transport.sizing import ALIGNMENT, StagingPlan
-from kvcached_pd.transport.staging import StagingBuffer
+from kvcached_pd.transport.staging import Extent, ExtentAllocator, StagingBuffer, StagingError
 
 logger = logging.getLogger("kvcached_pd")
 
@@ -29,7 +30,8 @@ CHUNK_BYTES = 64 << 20  # one NIXL descriptor per 64 MiB of extent
 
 
 class StagingAgent:
-    """This worker's own NIXL agent (not vLLM's): it registers only the staging buffer,
+    """This worker's own NIXL agent (not vLLM's): it registers only staging memory (the
+    prefill range at once, D's range when it is allocated: :class:`DecodeStaging`),
     loads P peers from their handshakes, posts READs and reads notifications."""
 
     def __init__(self, tensor: torch.Tensor, backends: tuple[str, ...] = ("UCX",)) -> None:
@@ -42,11 +44,22 @@ class StagingAgent:
                                                              capture_telemetry=True))
         self.memory_type = "VRAM" if tensor.is_cuda else "DRAM"
         self.device_id = (tensor.device.index or 0) if tensor.is_cuda else 0
+        # what a peer READs from: the staging this agent offers (a decode-only worker's
+        # is empty and registers nothing)
         self.base = int(tensor.data_ptr())
         self.nbytes = int(tensor.numel() * tensor.element_size())
-        self._reg = self.agent.get_reg_descs(
-            [(self.base, self.nbytes, self.device_id, "")], self.memory_type)
-        self.agent.register_memory(self._reg)
+        self._regs: list[Any] = []
+        self.register(tensor)
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Register ``tensor`` (staging of this worker's device) with the agent; a tensor
+        of no bytes is not registered."""
+        nbytes = int(tensor.numel() * tensor.element_size())
+        if nbytes:
+            reg = self.agent.get_reg_descs(
+                [(int(tensor.data_ptr()), nbytes, self.device_id, "")], self.memory_type)
+            self.agent.register_memory(reg)
+            self._regs.append(reg)
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
@@ -84,14 +97,15 @@ class StagingAgent:
         return name
 
     def read(self, peer: str, handshake: RankHandshake, remote_offset: int,
-             local_offset: int, nbytes: int, notif: bytes) -> Any:
-        """Post a READ of ``nbytes`` from the peer's staging into ours, one descriptor per
+             local_address: int, nbytes: int, notif: bytes) -> Any:
+        """Post a READ of ``nbytes`` from the peer's staging into ours at
+        ``local_address`` (registered memory: :class:`DecodeStaging`), one descriptor per
         ``CHUNK_BYTES``; NIXL delivers ``notif`` to the peer when it has completed.
         Raises if NIXL refuses (no handle is left behind)."""
         local, remote = [], []
         for start in range(0, nbytes, CHUNK_BYTES):
             length = min(CHUNK_BYTES, nbytes - start)
-            local.append((self.base + local_offset + start, length, self.device_id))
+            local.append((local_address + start, length, self.device_id))
             remote.append((handshake.staging_base + remote_offset + start, length,
                            handshake.device_id))
         handle = self.agent.initialize_xfer(
@@ -138,10 +152,83 @@ class StagingAgent:
         return messages
 
     def close(self) -> None:
-        try:
-            self.agent.deregister_memory(self._reg)
-        except Exception:  # noqa: BLE001 - shutdown path
-            pass
+        for reg in self._regs:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception:  # noqa: BLE001 - shutdown path
+                pass
+        self._regs = []
+
+
+class DecodeStaging:
+    """D's staging: where a NIXL READ lands before the unpack, allocated and registered
+    at the first request that needs it, not at start-up.
+
+    Why: on the CUDA IPC wire (P and D on one host: the colocated deployment) D unpacks
+    straight from P's mapped extent and never uses this range, which is 2 x
+    ``max_num_batched_tokens`` of KV by default: 4 096 MiB of an idle D's 6 690 MiB on the
+    kvbig test model, 2 048 of 3 984 on the tiny one (2 x H200, 2026-11-27). A D whose
+    peers all take the IPC wire now never allocates it. ``eager`` (``KVCACHED_PD_WIRE=nixl``:
+    every peer READs) allocates it at start-up, as before, so that a device without the
+    room stops startup. Otherwise a failed allocation (the device filled since start-up)
+    fails that request's load, as a failed READ does (vLLM's ``kv_load_failure_policy``),
+    and the next request that needs the range tries again.
+
+    Extent offsets are relative to this range. Used from the worker's own thread only
+    (the hooks that post READs and free extents), like the agent's READs.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device, agent: StagingAgent,
+                 eager: bool = False) -> None:
+        self.allocator = ExtentAllocator(nbytes, ALIGNMENT)
+        self.device = device
+        self.agent = agent
+        self.tensor: torch.Tensor | None = None
+        if eager and nbytes:
+            self.ensure()
+
+    @property
+    def allocated(self) -> bool:
+        return self.tensor is not None
+
+    def ensure(self) -> torch.Tensor:
+        """The range's tensor, allocated and registered with the agent the first time.
+        Raises :class:`~kvcached_pd.transport.staging.StagingError` when the device has
+        no room for it."""
+        if self.tensor is None:
+            nbytes = self.allocator.capacity_bytes
+            try:
+                tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            except RuntimeError as error:  # torch.OutOfMemoryError is one
+                raise StagingError(
+                    f"could not allocate the {nbytes >> 20} MiB decode staging on "
+                    f"{self.device}: {error}. Lower {KVCACHED_PD_STAGING_MB} or leave more "
+                    "device memory free") from error
+            try:
+                self.agent.register(tensor)
+            except Exception as error:  # noqa: BLE001 - NIXL's refusal fails the load only
+                raise StagingError(f"could not register the {nbytes >> 20} MiB decode staging "
+                                   f"with NIXL: {error}") from error
+            self.tensor = tensor
+            logger.info("kvcached-pd: decode staging allocated and registered: %d MiB on %s "
+                        "(the first request READ over NIXL)", nbytes >> 20, self.device)
+        return self.tensor
+
+    def alloc(self, nbytes: int, owner: Any) -> Extent | None:
+        """An extent of ``nbytes``, or None while the range is full (the request waits).
+        Raises :class:`StagingError` when the range cannot be allocated at all."""
+        self.ensure()
+        return self.allocator.alloc(nbytes, owner)
+
+    def free(self, extent: Extent) -> None:
+        self.allocator.free(extent)
+
+    def address(self, offset: int) -> int:
+        """The device address of ``offset`` (a READ's local descriptor)."""
+        return int(self.ensure().data_ptr()) + offset
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.ensure()[offset: offset + nbytes]
 
 
 def cache_layers(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any) -> tuple[KVCacheLayers, int, int]:
@@ -188,8 +275,9 @@ class StagingRegion:
 
     fmt: PackedFormat
     plan: StagingPlan
-    buffer: StagingBuffer
+    buffer: StagingBuffer  # the prefill range: what P packs into and offers its peers
     agent: StagingAgent
+    decode: DecodeStaging  # D's range, allocated when a READ first needs it
     layers: KVCacheLayers
     kernel_block_size: int
     ratio: int
@@ -205,17 +293,20 @@ class StagingRegion:
     @classmethod
     def create(cls, kv_caches: dict[str, torch.Tensor], kv_cache_config: Any, fmt: PackedFormat,
                plan: StagingPlan, tp_rank: int, tp_size: int,
-               offer_ipc: bool = False) -> "StagingRegion":
+               offer_ipc: bool = False, eager_decode: bool = False) -> "StagingRegion":
         """``offer_ipc``: a prefill role that lets same-host decode instances map its
         staging (:mod:`kvcached_pd.transport.cuda_ipc`); a buffer that cannot be
-        exported is served over NIXL alone, said once here."""
+        exported is served over NIXL alone, said once here. ``eager_decode``: allocate
+        D's range now (:class:`DecodeStaging` says when it is not)."""
         layers, kernel_bs, ratio = cache_layers(kv_caches, kv_cache_config)
-        buffer = StagingBuffer(plan.total_bytes, layers.device, alignment=ALIGNMENT,
-                               alloc_start=plan.decode_start, alloc_bytes=plan.decode_bytes)
+        # the prefill range alone (P's scheduler hands out its extents)
+        buffer = StagingBuffer(plan.prefill_bytes, layers.device, alignment=ALIGNMENT,
+                               alloc_bytes=0)
         agent = StagingAgent(buffer.tensor)
+        decode = DecodeStaging(plan.decode_bytes, layers.device, agent, eager=eager_decode)
         heads = fmt.num_kv_heads
-        region = cls(fmt=fmt, plan=plan, buffer=buffer, agent=agent, layers=layers,
-                     kernel_block_size=kernel_bs, ratio=ratio, tp_rank=tp_rank,
+        region = cls(fmt=fmt, plan=plan, buffer=buffer, agent=agent, decode=decode,
+                     layers=layers, kernel_block_size=kernel_bs, ratio=ratio, tp_rank=tp_rank,
                      tp_size=tp_size, head_start=tp_rank * heads, head_count=heads)
         if offer_ipc:
             try:

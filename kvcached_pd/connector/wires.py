@@ -73,7 +73,8 @@ class NixlWire(_Wire):
         start, nbytes = read.window  # only what D's prefix cache lacks, and the tag
         notif = Done(params.request_id, self.region.tp_rank, params.token).encode()
         read.handle = self.region.agent.read(self.peer, self.handshake, params.offset + start,
-                                             read.extent.offset, nbytes, notif)
+                                             self.region.decode.address(read.extent.offset),
+                                             nbytes, notif)
 
     def state(self, read: Any) -> str:
         return self.region.agent.state(read.handle)
@@ -89,7 +90,7 @@ class NixlWire(_Wire):
         pass
 
     def source(self, read: Any) -> torch.Tensor:
-        return self.region.region(read.extent.offset, read.window[1])
+        return self.region.decode.view(read.extent.offset, read.window[1])
 
     def done_message(self, read: Any) -> bytes | None:
         return None  # NIXL delivered it with the READ
