@@ -36,6 +36,10 @@
 #   colo-g, colo-h (not by default) colo-b's kvbig load and TTFT batch (g), its tiny load
 #     (h), each with the whole part and vLLM's CUDA graphs in every instance
 #     (COLO_CUDA_GRAPHS=1; the harnesses run eager by default)
+#   cross-n (not by default) part a across the two GPUs with D seeing its own GPU alone
+#     (KVPD_D_SEES_P=0): the auto wire falls back to NIXL, so D allocates its staging range
+#     at its first READ (region.DecodeStaging) while vanilla and the forced NIXL wire run
+#     beside it: that allocation on a GPU, and what it costs the first READ
 #   colo-e (either plan: not by default) run_colocated_on_host.sh part e: kill D, then P,
 #     mid-load; colo-f, cross-f: part f, UCX faults.
 #   chunks (not by default) chunk_split.py on the lane's GPU: greedy tokens per prefill cut
@@ -77,7 +81,7 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   [ -n "${SESSION_FAKE_STEPS:-}" ] && { echo 0; return; }
   case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
-    cross-a) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
+    cross-a|cross-n) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
     cross-b) echo 6 ;; colo-g|colo-h) echo 4 ;; colo-e|cross-e) echo 8 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
     launch) echo 1 ;;
     *) echo 5 ;;
@@ -151,6 +155,7 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
     cross-d) echo "${LANE_PORTS}KVPD_GPUS='0 1' COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
                   "bash experiments/run_colocated_on_host.sh $w d" ;;
     cross-[abcef]) echo "${LANE_PORTS}KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w ${step#cross-}" ;;
+    cross-n) echo "${LANE_PORTS}KVPD_GPUS='0 1' KVPD_D_SEES_P=0 bash experiments/run_colocated_on_host.sh $w a" ;;
   esac
 }
 

@@ -177,6 +177,17 @@ def test_the_cuda_graph_loads_run_part_b_with_graphs_one_model_each(tmp_path):
         assert lines[name].endswith(f"/work/{name.split()[1]} b")  # part b
 
 
+def test_cross_n_runs_part_a_across_the_gpus_with_d_seeing_its_own_gpu_alone(tmp_path):
+    """cross-n: D cannot map P's staging, so the auto wire falls back to NIXL and D
+    allocates its staging range at its first READ (the GPU run of that allocation)."""
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2", SESSION_PLAN="X cross-n cross-a")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(":")[0]: line for line in r.stdout.splitlines()}
+    assert "KVPD_GPUS='0 1' KVPD_D_SEES_P=0 " in lines["X cross-n"]
+    assert lines["X cross-n"].endswith("/work/cross-n a")
+    assert "KVPD_D_SEES_P" not in lines["X cross-a"]
+
+
 def test_steps_run_side_by_side_get_ports_of_their_own(tmp_path):
     """2 x H100, 2026-11-27: "C colo-c+colo-d" gave both steps COLO_PORT_BASE=23000; their
     first kvcached-pd servers met "Address already in use" and both modes were lost."""
