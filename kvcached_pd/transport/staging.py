@@ -238,7 +238,8 @@ class StagingBuffer:
                 f"{device}: {error}. Lower {KVCACHED_PD_STAGING_MB} (MiB of staging per worker) "
                 "or leave more device memory free (e.g. a lower --gpu-memory-utilization)"
             ) from error
-        logger.info("KV staging buffer: %d MiB on %s", capacity_bytes >> 20, device)
+        if capacity_bytes:  # a decode-only worker's prefill range is empty
+            logger.info("KV staging buffer: %d MiB on %s", capacity_bytes >> 20, device)
 
     def alloc(self, nbytes: int, owner: Hashable) -> Extent | None:
         return self.allocator.alloc(nbytes, owner)
