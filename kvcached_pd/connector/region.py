@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from kvcached_pd.config import KVCACHED_PD_STAGING_MB
 from kvcached_pd.connector.wire import RankHandshake, WIRE_VERSION, WireError, format_hash
 from kvcached_pd.transport import cuda_ipc
 from kvcached_pd.transport.format import PackedFormat
@@ -197,13 +196,9 @@ class DecodeStaging:
         no room for it."""
         if self.tensor is None:
             nbytes = self.allocator.capacity_bytes
-            try:
-                tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            except RuntimeError as error:  # torch.OutOfMemoryError is one
-                raise StagingError(
-                    f"could not allocate the {nbytes >> 20} MiB decode staging on "
-                    f"{self.device}: {error}. Lower {KVCACHED_PD_STAGING_MB} or leave more "
-                    "device memory free") from error
+            # raises StagingError when the device has no room (this allocator hands out)
+            tensor = StagingBuffer(nbytes, self.device, alignment=ALIGNMENT,
+                                   alloc_bytes=0).tensor
             try:
                 self.agent.register(tensor)
             except Exception as error:  # noqa: BLE001 - NIXL's refusal fails the load only

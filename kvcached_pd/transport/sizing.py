@@ -67,10 +67,6 @@ class StagingPlan:
     def total_bytes(self) -> int:
         return self.prefill_bytes + self.decode_bytes
 
-    @property
-    def decode_start(self) -> int:
-        return self.prefill_bytes
-
 
 def role_bytes(*, bytes_per_token: int, block_size: int, kv_budget_tokens: int,
                max_model_len: int, max_num_batched_tokens: int,

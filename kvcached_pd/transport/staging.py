@@ -214,22 +214,22 @@ class ExtentAllocator:
 
 
 class StagingBuffer:
-    """One device ``uint8`` buffer of ``capacity_bytes`` plus the extent allocator of the
-    range ``[alloc_start, alloc_start + alloc_bytes)`` this process hands out itself
-    (default: all of it; a prefill role's range is handed out by its scheduler).
+    """One device ``uint8`` buffer of ``capacity_bytes`` plus the extent allocator of its
+    first ``alloc_bytes`` this process hands out itself (default: all of it; 0 where
+    another object hands them out: P's scheduler, D's :class:`DecodeStaging`).
 
     ``tensor`` is what the transport registers with NIXL, once.
     """
 
     def __init__(
         self, capacity_bytes: int, device: torch.device | str, alignment: int = 256,
-        alloc_start: int = 0, alloc_bytes: int | None = None,
+        alloc_bytes: int | None = None,
     ) -> None:
-        alloc_bytes = capacity_bytes - alloc_start if alloc_bytes is None else alloc_bytes
-        if alloc_start + alloc_bytes > capacity_bytes:
-            raise ValueError(f"allocator range [{alloc_start}, {alloc_start + alloc_bytes}) "
-                             f"exceeds the {capacity_bytes}-byte buffer")
-        self.allocator = ExtentAllocator(alloc_bytes, alignment, start=alloc_start)
+        alloc_bytes = capacity_bytes if alloc_bytes is None else alloc_bytes
+        if alloc_bytes > capacity_bytes:
+            raise ValueError(f"allocator range of {alloc_bytes} bytes exceeds the "
+                             f"{capacity_bytes}-byte buffer")
+        self.allocator = ExtentAllocator(alloc_bytes, alignment)
         try:
             self.tensor = torch.empty(capacity_bytes, dtype=torch.uint8, device=device)
         except RuntimeError as error:  # torch.OutOfMemoryError is one
