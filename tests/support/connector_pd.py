@@ -11,6 +11,7 @@ D's blocks must end up equal to P's blocks, token for token.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 import time
@@ -208,7 +209,11 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
         # (the inner one, or a plain peer's) registers per-block regions from that shape
         caches = vw.backend_kv_caches(backend, config, LAYERS, num_blocks, block_size, HEADS,
                                       HEAD_DIM, torch.Generator().manual_seed(seed))
-    port = side_channel_port or _free_port()
+    if side_channel_port:
+        port = side_channel_port
+        _hold_port(port)  # an engine restarted on its predecessor's port keeps it reserved
+    else:
+        port = _free_port()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     affinity = os.sched_getaffinity(0)
     try:
@@ -234,6 +239,7 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
                     block_hasher=_block_hasher(config, block_size) if prefix_caching else None)
     for executor in _handshake_executors(worker):
         weakref.finalize(engine, _drain, executor)
+    weakref.finalize(engine, _release_port, port)
     return engine
 
 
@@ -292,14 +298,67 @@ def cpu_vllm():
     return vw.backend_lookup(vw.attention_backend("FLASH_ATTN"))
 
 
+# Test processes (the test command runs release groups side by side) reserve side-channel
+# ports through these lock files before they bind them: the kernel never hands out a port
+# below its ephemeral range, but two test processes drawing from one range could.
+PORT_LOCK_DIR = os.path.join(tempfile.gettempdir(), "kvcached-pd-test-ports")
+_held_ports: dict[int, list[int]] = {}  # port -> [lock file descriptor, engines using it]
+
+
+def _hold_port(port: int) -> bool:
+    """Reserve ``port`` (and its claim port, ``port + CLAIM_PORT_OFFSET``) for an engine of
+    this process, against every other test process; False: another one holds it. The
+    lock goes with the last engine of this process using the port (:func:`_release_port`),
+    or with the process."""
+    held = _held_ports.get(port)
+    if held is not None:
+        held[1] += 1
+        return True
+    os.makedirs(PORT_LOCK_DIR, exist_ok=True)
+    fd = os.open(os.path.join(PORT_LOCK_DIR, str(port)), os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _held_ports[port] = [fd, 1]
+    return True
+
+
+def _release_port(port: int) -> None:
+    held = _held_ports.get(port)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] <= 0:
+        del _held_ports[port]
+        os.close(held[0])
+
+
+def _side_channel_ports(ephemeral_low: int) -> list[int]:
+    """The ports a test engine's side channel may take: below the kernel's ephemeral range,
+    in bands of CLAIM_PORT_OFFSET ports whose next band holds their claim ports, so that
+    no engine's side-channel port is another's claim port and one lock covers both."""
+    from kvcached_pd.connector.side_channel import CLAIM_PORT_OFFSET
+
+    top = ephemeral_low - 1
+    bands = 5
+    low = max(1024, top - 2 * bands * CLAIM_PORT_OFFSET)
+    return [port for port in range(low, top - CLAIM_PORT_OFFSET)
+            if ((port - low) // CLAIM_PORT_OFFSET) % 2 == 0]
+
+
 def _free_port() -> int:
-    """A free side-channel port whose claim port (+1000, push mode's staged listener)
-    is free too, both below the kernel's ephemeral range. A port the kernel hands out
-    between this choice and vLLM's bind (the UCX listeners and connections of the
-    engine's NIXL agents take ephemeral ports) kills vLLM's handshake listener thread,
-    and its ``set_xfer_handshake_metadata`` then waits forever (one full vLLM 0.30
-    run hung so); a claim port taken moves P's staged listener (a concurrent-push
-    test failed so)."""
+    """A side-channel port whose claim port (push mode's staged listener) is free too,
+    both below the kernel's ephemeral range, reserved for this process (:func:`_hold_port`).
+    A port the kernel hands out between this choice and vLLM's bind (the UCX listeners and
+    connections of the engine's NIXL agents take ephemeral ports), or one another test
+    process chose in that window, kills vLLM's handshake listener thread, and its
+    ``set_xfer_handshake_metadata`` then waits forever (one vLLM 0.30 run hung so before
+    the ports left the ephemeral range; the 0.26.0 and 0.31.0 groups of two test-command
+    runs on 2026-11-27, side by side with other groups, after); a claim port taken moves
+    P's staged listener (a concurrent-push test failed so). The caller releases the
+    reservation (:func:`_release_port`)."""
     import random
     import socket
 
@@ -310,16 +369,19 @@ def _free_port() -> int:
             ephemeral_low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
-    high = ephemeral_low - claim_port(0) - 1
-    for _ in range(200):
-        port = random.randrange(max(1024, high - 10000), high)
+    ports = _side_channel_ports(ephemeral_low)
+    for _ in range(400):
+        port = random.choice(ports)
+        if port in _held_ports or not _hold_port(port):
+            continue
         with socket.socket() as s, socket.socket() as claim:
             try:
                 s.bind(("127.0.0.1", port))
                 claim.bind(("127.0.0.1", claim_port(port)))
             except OSError:
+                _release_port(port)
                 continue
-            return port
+        return port
     raise RuntimeError("no free port pair for a side channel and its claim port")
 
 

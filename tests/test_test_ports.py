@@ -1,0 +1,68 @@
+"""The side-channel ports the in-process PD tests give their engines: reserved across the
+test processes the test command runs side by side, so that no two engines bind one port
+(vLLM's handshake listener thread dies on a taken port, and its engine's start then
+waits forever)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+from kvcached_pd.connector.side_channel import claim_port
+from tests.support import connector_pd
+
+
+def test_ports_never_meet_claim_ports_and_stay_below_the_ephemeral_range():
+    ports = connector_pd._side_channel_ports(32768)
+    chosen = set(ports)
+    assert len(ports) >= 4000
+    assert all(1024 <= p and claim_port(p) < 32768 for p in ports)
+    assert not chosen & {claim_port(p) for p in ports}
+
+
+def test_a_port_another_process_holds_is_not_chosen(monkeypatch):
+    ports = connector_pd._side_channel_ports(32768)
+    held, other = ports[0], ports[1]
+    os.makedirs(connector_pd.PORT_LOCK_DIR, exist_ok=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import fcntl, os, sys
+            fd = os.open({os.path.join(connector_pd.PORT_LOCK_DIR, str(held))!r},
+                         os.O_CREAT | os.O_RDWR, 0o666)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            print("held", flush=True)
+            sys.stdin.read()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        draws = iter([held, held, other])
+        monkeypatch.setattr(random, "choice", lambda seq: next(draws))
+        monkeypatch.setattr(connector_pd, "_held_ports", {})
+        port = connector_pd._free_port()
+        assert port == other
+        # held for this process now: a second process's lock on it fails
+        fd = os.open(os.path.join(connector_pd.PORT_LOCK_DIR, str(other)), os.O_RDWR)
+        try:
+            probe = subprocess.run(
+                [sys.executable, "-c", textwrap.dedent(f"""
+                    import fcntl, os
+                    fd = os.open({os.path.join(connector_pd.PORT_LOCK_DIR, str(other))!r},
+                                 os.O_RDWR)
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        print("got it")
+                    except OSError:
+                        print("refused")
+                """)], capture_output=True, text=True, check=True)
+            assert probe.stdout.strip() == "refused"
+        finally:
+            os.close(fd)
+        connector_pd._release_port(port)
+        assert port not in connector_pd._held_ports
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
