@@ -957,7 +957,8 @@ def render_memory(doc: dict) -> list[str]:
             def kv(x):
                 k = (x or {}).get("kvcached")
                 return "-" if not k else f"{k['used'] / 2**20:.0f}+{k['prealloc'] / 2**20:.0f}"
-            staging = next((p["staging_mib"] for p in points if p and p.get("staging_mib")), None)
+            held = [p["staging_mib"] for p in points if p and p.get("staging_mib") is not None]
+            staging = max(held) if held else None  # the most it held at any point
             rows.append(f"  {name:<14} {role:<8} {' / '.join(dev(p) for p in points):>29}  "
                         f"{' / '.join(kv(p) for p in points):>34}  "
                         f"{'-' if staging is None else staging:>8}")
@@ -973,20 +974,38 @@ def render_memory(doc: dict) -> list[str]:
     return out
 
 
-_STAGING_LINE = re.compile(r"kvcached-pd: staged transport ready .*?: (\d+) MiB staging")
+_STAGING_LINE = re.compile(r"kvcached-pd: staged transport ready .*?: (\d+) MiB staging "
+                           r"\([^;]*; prefill (\d+) MiB, decode (\d+) MiB( allocated at the first "
+                           r"READ)?")
+_STAGING_SIZE = re.compile(r"kvcached-pd: staged transport ready .*?: (\d+) MiB staging")
+_DECODE_STAGING_ALLOCATED = "kvcached-pd: decode staging allocated and registered"
 
 
 def staging_mib(log_path: str) -> int | None:
-    """The staging region's size, from the instance's start-up line."""
+    """MiB of staging the instance holds when its log is read: its start-up line's size,
+    less a decode range that is allocated only at the first READ over NIXL (never on the
+    CUDA IPC wire) until the log says it was."""
+    size = lazy_decode = None
+    allocated = False
     try:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             for line in f:
-                m = _STAGING_LINE.search(line)
-                if m:
-                    return int(m.group(1))
+                if size is None:
+                    m = _STAGING_LINE.search(line)
+                    if m:
+                        size = int(m.group(1))
+                        lazy_decode = int(m.group(3)) if m.group(4) else 0
+                    else:
+                        m = _STAGING_SIZE.search(line)  # an older checkout's line
+                        if m:
+                            size, lazy_decode = int(m.group(1)), 0
+                if _DECODE_STAGING_ALLOCATED in line:
+                    allocated = True
     except OSError:
         return None
-    return None
+    if size is None:
+        return None
+    return size if allocated else size - lazy_decode
 
 
 # --------------------------------------------------------------------------------------

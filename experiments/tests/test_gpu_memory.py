@@ -67,6 +67,33 @@ def test_summary_table_and_staging_line(tmp_path):
     assert render_memory({"modes": {"vanilla": {}}}) == []
 
 
+def test_staging_counts_a_lazy_decode_range_only_once_allocated(tmp_path):
+    ready = ("INFO kvcached-pd: staged transport ready (pull mode, inner NixlPullConnector): "
+             "4096 MiB staging (VRAM; prefill 0 MiB, decode 4096 MiB allocated at the first "
+             "READ over NIXL, never on the CUDA IPC wire, default: ...) registered ...\n")
+    log = tmp_path / "d.log"
+    log.write_text(ready)
+    assert staging_mib(str(log)) == 0  # the IPC wire: D never allocates its range
+    log.write_text(ready + "INFO kvcached-pd: decode staging allocated and registered: 4096 MiB "
+                   "on cuda:0 (the first request READ over NIXL)\n")
+    assert staging_mib(str(log)) == 4096
+    both = ("INFO kvcached-pd: staged transport ready (pull mode, inner NixlConnector): "
+            "6144 MiB staging (VRAM; prefill 2048 MiB, decode 4096 MiB allocated at the first "
+            "READ over NIXL, never on the CUDA IPC wire, rule) ...\n")
+    log.write_text(both)
+    assert staging_mib(str(log)) == 2048
+    point = {"device_mib": 2582.0, "kvcached": None}
+    doc = {"modes": {"kvpd-staged": {"memory": {
+        "before": {"decode": dict(point, staging_mib=0)},
+        "peak_load": {"decode": dict(point, staging_mib=4096)},
+        "after_load": {"decode": dict(point, staging_mib=4096)},
+        "idle": {"decode": dict(point, staging_mib=4096)}}}}}
+    assert render_memory(doc)[2].rstrip().endswith(" 4096")
+    doc["modes"]["kvpd-staged"]["memory"] = {
+        p: {"decode": dict(point, staging_mib=0)} for p in ("before", "peak_load", "idle")}
+    assert render_memory(doc)[2].rstrip().endswith(" 0")
+
+
 def test_summary_prints_the_killed_instances_gpu_beside_ds():
     # across two GPUs a killed P's memory is on P's GPU; D's column alone hid it (2026-11-26)
     gpu = {"before": 7691.0, "peak_load": 8559.0, "after_load": 7775.0, "idle": 7775.0,
