@@ -197,18 +197,27 @@ e)
     if [ "$1" = "${1%%:*}" ]; then echo kvpd-staged,kvpd-push; else echo "${1#*:}"; fi
   }
   count() { tr ',' '\n' <<< "$1" | wc -l; }  # count A,B,...: how many
-  runs=0  # the load runs still to come: the time left is split by runs, not by kills
-  for kill in "${kills[@]}"; do runs=$(( runs + $(count "$(kill_modes "$kill")") )); done
+  need() {  # need ROLE[:MODES]: the seconds one kill's load run takes, its servers' start
+    # included. 2 x H200, 2026-11-27 (lane C beside lane T): every server ready after
+    # 118-140 s; a kill-D run 91 s (P holds the extents of D's dead requests for vLLM's KV
+    # lease, 30 s, and the harness waits that out plus 15 s), a kill-P run 30-32 s. An
+    # even split by runs gave kill D 267 s, and its push run never started (twice).
+    local n
+    n=$(count "$(kill_modes "$1")")
+    if [ "${1%%:*}" = decode ]; then echo $(( 130 + 95 * n )); else echo $(( 130 + 35 * n )); fi
+  }
+  needs=0  # what the kills still to come need: the time left is split by that
+  for kill in "${kills[@]}"; do needs=$(( needs + $(need "$kill") )); done
   for kill in "${kills[@]}"; do
-    # (2026-11-26, eighth session: "decode:kvpd-push prefill" split evenly gave kill P's
-    # two runs 280 s, one run's time, so kill P in push mode never ran, on either step)
+    # (2026-11-26, eighth session: "decode:kvpd-push prefill" split evenly by kills gave
+    # kill P's two runs 280 s, one run's time, so kill P in push mode never ran)
     role=${kill%%:*}
     modes=$(kill_modes "$kill")
-    mine=$(count "$modes")
-    traffic "kill${role:0:1}" $(( ($(left) - 25) * mine / runs )) --model "$TINY" \
+    mine=$(need "$kill")
+    traffic "kill${role:0:1}" $(( ($(left) - 25) * mine / needs )) --model "$TINY" \
       --modes "$modes" --push-concurrent --requests 128 --kill "$role" \
       --kill-at-s 1 --expect-wire ipc "${GPU_ARGS[@]}"
-    runs=$(( runs - mine ))
+    needs=$(( needs - mine ))
   done
   ;;
 f)
