@@ -65,8 +65,15 @@ ZERO_TAG = bytes(TAG_BYTES)
 # request takes the ordinary path.
 MAX_BLOCKS_CAP = 8192
 SLOTS = 32  # requests in flight per worker before a call falls back
-BLOCK = 1024  # words per item (8 KiB of int64 words)
-PROGRAMS_PER_SM = 16  # resident programs of 4 warps per SM: enough bytes in flight
+# The kernel's launch shape: items of BLOCK words (16 KiB of int64 words), PROGRAMS_PER_SM
+# resident programs of NUM_WARPS warps per SM (64 warps, the SM's whole room), 8 words
+# per thread. On 2 x H200 (2026-11-27, experiments/bench_remote_unpack.py, the kvbig
+# geometry, three interleaved runs) 2048/8/8 packed and unpacked 1 GiB on one GPU in
+# 0.591 / 0.595 ms against 0.628 / 0.631 for the earlier 1024/16/4, read it across NVLink
+# in 2.900 against 2.915 ms, and tied at 4 and 94 MiB; no other of eight shapes did better.
+BLOCK = 2048
+PROGRAMS_PER_SM = 8
+NUM_WARPS = 8
 
 
 def encode(extent_addr: int, ids: array.array, valid_slots: int, tag_addr: int,
@@ -250,7 +257,7 @@ class GraphLauncher:
                 BLOCK=BLOCK)
             _graph_copy_kernel[(args["NPROG"],)](
                 self._addrs, self._dev[slot], self._dev[slot].view(torch.uint8), *strides,
-                self.tok_stride_words, TO_PACKED=to_packed, **args)
+                self.tok_stride_words, TO_PACKED=to_packed, num_warps=NUM_WARPS, **args)
 
         with torch.cuda.stream(side):
             for to_packed in (True, False):
