@@ -32,6 +32,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -85,14 +86,17 @@ def launcher(views, shape, max_blocks: int) -> pack_graph.GraphLauncher:
                                     max_blocks, slots=4)
 
 
-def timed(device: str, fn, iters: int, warmup: int = 3) -> float:
-    """Median ms of ``fn`` on ``device``'s current stream."""
+def timed(device: str, fn, iters: int, warmup: int = 3, gap_s: float = 0.0) -> float:
+    """Median ms of ``fn`` on ``device``'s current stream; ``gap_s``: the GPUs left idle
+    that long before each call, as between the servers' single requests."""
     with torch.cuda.device(device):
         for _ in range(warmup):
             fn()
             torch.cuda.synchronize()  # a slot is reused only once its replay has run
         times = []
         for _ in range(iters):
+            if gap_s:
+                time.sleep(gap_s)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -127,6 +131,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", type=parse_shapes, default=SHAPES,
                     help="BLOCK/programs-per-SM/warps,... (default: %(default)s)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--idle-gap-s", type=float, default=0.0,
+                    help="also time each remote unpack and local pack after the GPUs sat "
+                         "idle this long (the servers' single requests come seconds apart)")
     args = ap.parse_args(argv)
     two = torch.cuda.device_count() >= 2
     p_dev, d_dev = (0, 1) if two else (0, 0)
@@ -172,6 +179,14 @@ def main(argv=None) -> int:
                     c.zero_()
                 row["remote_unpack_ms"] = timed(
                     f"cuda:{d_dev}", lambda: run(d_launch, False, p_extent, dst), args.iters)
+                if args.idle_gap_s:
+                    iters = max(3, args.iters // 4)
+                    row["remote_unpack_after_idle_ms"] = timed(
+                        f"cuda:{d_dev}", lambda: run(d_launch, False, p_extent, dst), iters,
+                        gap_s=args.idle_gap_s)
+                    row["local_pack_after_idle_ms"] = timed(
+                        f"cuda:{p_dev}", lambda: run(p_launch, True, p_extent, src), iters,
+                        gap_s=args.idle_gap_s)
                 torch.cuda.synchronize(d_dev)
                 # D's blocks dst[i] now hold P's blocks src[i], every layer
                 moved = torch.stack([c[order[nb:2 * nb].to(c.device)] for c in d_caches])
