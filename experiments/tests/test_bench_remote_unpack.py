@@ -13,7 +13,7 @@ from kvcached_pd.transport import pack_graph  # noqa: E402
 
 
 def test_the_first_shape_is_the_products():
-    # the sweep's first row is what the servers run: it drifts if pack_graph's change
+    # the sweep's first row is what the servers run, whatever pack_graph's constants become
     assert bench.SHAPES[0] == (pack_graph.BLOCK, pack_graph.PROGRAMS_PER_SM,
                                pack_graph.NUM_WARPS)
 
