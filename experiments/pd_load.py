@@ -183,6 +183,8 @@ class LoadHarness:
                 extra["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] = str(int(a.abort_timeout_s))
             if a.trace and cfg.env.get("KVCACHED_PD") == "1":
                 extra["KVCACHED_PD_TRACE"] = "1"
+            if a.staging_mb and cfg.env.get("KVCACHED_PD") == "1":
+                extra["KVCACHED_PD_STAGING_MB"] = str(a.staging_mb)
             if a.ucx_fault_lib and a.ucx_fault_on in (role, "both"):
                 # NIXL_UCX_DEEPBIND=0: with RTLD_DEEPBIND NIXL's UCX plugin would bind its
                 # own libucp before the preloaded injector, and nothing would be injected
@@ -1109,6 +1111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "'peak under load' reading); 0: off")
     ap.add_argument("--trace", action="store_true",
                     help="KVCACHED_PD_TRACE=1 on kvcached-pd instances; per-stage timeline")
+    ap.add_argument("--staging-mb", type=int, default=None,
+                    help="KVCACHED_PD_STAGING_MB on kvcached-pd instances (default: unset, "
+                         "the engine's own size; the caller's KVCACHED_* never reach them)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="KV budget per instance; default from the load (concurrency x longest "

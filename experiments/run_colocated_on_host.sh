@@ -55,7 +55,8 @@
 #
 # Environment: KVPD_GPUS="P D" (default "0 0": both on GPU 0; on two GPUs D sees "D,P"
 #   unless KVPD_D_SEES_P=0), COLO_BUDGET_S (a part's
-#   seconds, default 560), COLO_ABORT_REPEATS (part d, default 5), COLO_TRACE=1 (part d with
+#   seconds, default 560), COLO_STAGING_MB (part b: KVCACHED_PD_STAGING_MB on the
+#   kvcached-pd instances), COLO_ABORT_REPEATS (part d, default 5), COLO_TRACE=1 (part d with
 #   kvcached-pd's trace lines: the timeline of a differing output), TINY_MODEL=/tmp/tiny,
 #   KVBIG_MODEL=/tmp/kvbig, COLO_PORT_BASE (the harnesses' ports: below), KVCACHED_PD_FROM=checkout (this checkout first on PYTHONPATH)
 #   | installed, COLO_DRY_RUN=1 (print each harness command instead of running it: the
@@ -102,6 +103,11 @@ GPU_ARGS=(--prefill-gpu "$P_GPU" --decode-gpu "$D_VISIBLE")
 # before its first token).
 GRAPH_ARGS=()
 [ "${COLO_CUDA_GRAPHS:-0}" = 1 ] && GRAPH_ARGS=(--cuda-graphs)
+# part b's kvcached-pd instances with KVCACHED_PD_STAGING_MB (the harness hands its
+# servers none of the caller's KVCACHED_* variables): what a larger staging does to the
+# TTFT batch's waits for room, and what it costs an idle P
+STAGING_ARGS=()
+[ -n "${COLO_STAGING_MB:-}" ] && STAGING_ARGS=(--staging-mb "$COLO_STAGING_MB")
 PORT_ARGS=()
 if [ -n "${COLO_PORT_BASE:-}" ]; then
   PORT_ARGS=(--port-base "$COLO_PORT_BASE" --side-channel-port-base $((COLO_PORT_BASE + 200))
@@ -155,12 +161,12 @@ b)
         traffic kvbig $(( $(left) * share / 20 - (share == 20 ? 25 : 0) )) --model "$KVBIG" \
           --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
           --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 --settle-s 20 \
-          --expect-wire ipc --trace "${GRAPH_ARGS[@]}" "${GPU_ARGS[@]}" ;;
+          --expect-wire ipc --trace "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${GPU_ARGS[@]}" ;;
       tiny)
         traffic tiny $(( $(left) - 25 )) --model "$TINY" \
           --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
           --push-concurrent --repeats 3 --settle-s 20 --expect-wire ipc --trace \
-          "${GRAPH_ARGS[@]}" "${GPU_ARGS[@]}" ;;
+          "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${GPU_ARGS[@]}" ;;
       *) echo "COLO_B_MODELS: unknown model '$m' (kvbig, tiny)" >&2; exit 2 ;;
     esac
   done

@@ -457,6 +457,9 @@ def test_cuda_graphs_and_the_loads_of_part_b_when_asked(tmp_path, models):
     assert a_budget > k_budget + 200  # the whole part, less the packing margin
     ((t, _),) = loads(COLO_B_MODELS="tiny")
     assert t.model.endswith("tiny") and not t.cuda_graphs
+    # COLO_STAGING_MB reaches both loads (the harness strips the caller's KVCACHED_*)
+    assert kvbig.staging_mb is None and tiny.staging_mb is None
+    assert [a.staging_mb for a, _ in loads(COLO_STAGING_MB="6144")] == [6144, 6144]
     for graphs, want in (("0", False), ("1", True)):
         (argv,) = _dry_run(tmp_path, "a", COLO_CUDA_GRAPHS=graphs, **models)
         assert bench_transfer.parse_args(_after(argv, "bench_transfer.py")).cuda_graphs is want

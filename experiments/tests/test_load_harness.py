@@ -309,6 +309,21 @@ def test_staging_left_behind_fails_the_staged_modes_only(tmp_path):
     assert summary["modes"]["vanilla"]["verdict"] == "PASS"
 
 
+def test_staging_mb_reaches_the_kvcached_pd_instances_only(tmp_path):
+    # KVCACHED_PD_STAGING_MB in the caller's environment would not: the harness strips
+    # every KVCACHED_* variable of its own before it starts an instance
+    res, summary, _ = _run_load(tmp_path, "--modes", "vanilla,kvpd-staged", "--staging-mb",
+                                "6144", "--requests", "6",
+                                env_extra={"KVCACHED_PD_STAGING_MB": "99"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    staged = summary["modes"]["kvpd-staged"]["instances"]
+    assert {r: staged[r]["env"].get("KVCACHED_PD_STAGING_MB") for r in staged} == \
+        {"prefill": "6144", "decode": "6144"}
+    for mode in ("vanilla", "reference"):
+        for inst in summary["modes"][mode]["instances"].values():
+            assert "KVCACHED_PD_STAGING_MB" not in inst["env"]
+
+
 def test_killed_prefill_leaves_a_decode_that_keeps_serving(tmp_path):
     res, summary, out = _run_load(tmp_path, "--modes", "kvpd-staged", "--kill", "prefill",
                                   "--kill-at-s", "0.9", "--abort-timeout-s", "2",
