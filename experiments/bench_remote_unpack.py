@@ -5,8 +5,8 @@ handoff at 1 GiB is 3.72-3.75 ms, 287-289 GB/s, and issue 22 asks for 300: P's p
 (0.64 ms, local) then D's unpack, which reads the 1 GiB extent from P's GPU at ~349 GB/s
 (3.07 ms). The unpack is one replay of :mod:`kvcached_pd.transport.pack_graph`'s kernel:
 a fixed grid of ``PROGRAMS_PER_SM`` programs per SM, each moving ``BLOCK`` words at a
-time with ``NUM_WARPS`` warps (1024 / 16 / 4 until this script's first run). Reads across
-the link are bound by the requests in flight and their size, which those three set.
+time with ``NUM_WARPS`` warps (1024 / 16 / 4). Reads across the link are bound by the
+requests in flight and their size, which those three set.
 
 For each shape this builds the product's graphs (``GraphLauncher``, the module constants
 set first) over kvcached's contiguous layout with the kvbig geometry (32 layers, 16 KV
@@ -40,18 +40,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_pack import ModelShape, kvcached_contiguous  # noqa: E402
+from bench_launch_paths import KVBIG  # noqa: E402
+from bench_pack import kvcached_contiguous  # noqa: E402
 
 from kvcached_pd.transport import pack as pack_mod  # noqa: E402
 from kvcached_pd.transport import pack_graph  # noqa: E402
 from kvcached_pd.transport.layout import AttnCacheSpec, KVCacheLayers, logical_kv_view  # noqa: E402
 
 MiB = 1 << 20
-KVBIG = ModelShape("kvbig-32L-16H-128D-bf16", 32, 16, 128, torch.bfloat16)
 BS = 16
 # (BLOCK words per item, programs per SM, warps per program); the first is the product's
-# (2048/8/8 since this script's first run, 2026-11-27; 1024/16/4 before)
-SHAPES = ((2048, 8, 8), (1024, 16, 4), (1024, 8, 4), (2048, 8, 4), (4096, 4, 8),
+SHAPES = ((1024, 16, 4), (2048, 8, 8), (1024, 8, 4), (2048, 8, 4), (4096, 4, 8),
           (4096, 8, 8), (4096, 4, 16), (8192, 2, 16))
 
 

@@ -979,7 +979,6 @@ def render_memory(doc: dict) -> list[str]:
 _STAGING_LINE = re.compile(r"kvcached-pd: staged transport ready .*?: (\d+) MiB staging "
                            r"\([^;]*; prefill (\d+) MiB, decode (\d+) MiB( allocated at the first "
                            r"READ)?")
-_STAGING_SIZE = re.compile(r"kvcached-pd: staged transport ready .*?: (\d+) MiB staging")
 _DECODE_STAGING_ALLOCATED = "kvcached-pd: decode staging allocated and registered"
 
 
@@ -992,15 +991,10 @@ def staging_mib(log_path: str) -> int | None:
     try:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             for line in f:
-                if size is None:
-                    m = _STAGING_LINE.search(line)
-                    if m:
-                        size = int(m.group(1))
-                        lazy_decode = int(m.group(3)) if m.group(4) else 0
-                    else:
-                        m = _STAGING_SIZE.search(line)  # an older checkout's line
-                        if m:
-                            size, lazy_decode = int(m.group(1)), 0
+                m = _STAGING_LINE.search(line) if size is None else None
+                if m:
+                    size = int(m.group(1))
+                    lazy_decode = int(m.group(3)) if m.group(4) else 0
                 if _DECODE_STAGING_ALLOCATED in line:
                     allocated = True
     except OSError:

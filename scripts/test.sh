@@ -151,7 +151,8 @@ start_group() {  # label, venv, pytest arguments...: run in the background
     # handshake listener thread dies when its port was taken between the test's choice
     # and its bind, and vLLM's set_xfer_handshake_metadata then waits for it forever
     # (2026-11-27, thirteenth session: 0.26.0's "nixl, waits" at 1 min of CPU for 25
-    # minutes, in test_connector_pd.py's make_engine). It is run again like a died one.
+    # minutes, in test_connector_pd.py's make_engine; the test engines' ports are reserved
+    # across processes since, tests/support/connector_pd.py). It is run again like a died one.
     died=0
     while { [ "$rc" -ge 128 ] || [ "$rc" = 124 ]; } && [ "$died" -lt 3 ]; do
       died=$((died + 1))

@@ -65,15 +65,16 @@ ZERO_TAG = bytes(TAG_BYTES)
 # request takes the ordinary path.
 MAX_BLOCKS_CAP = 8192
 SLOTS = 32  # requests in flight per worker before a call falls back
-# The kernel's launch shape: items of BLOCK words (16 KiB of int64 words), PROGRAMS_PER_SM
+# The kernel's launch shape: items of BLOCK words (8 KiB of int64 words), PROGRAMS_PER_SM
 # resident programs of NUM_WARPS warps per SM (64 warps, the SM's whole room), 8 words
-# per thread. On 2 x H200 (2026-11-27, experiments/bench_remote_unpack.py, the kvbig
-# geometry, three interleaved runs) 2048/8/8 packed and unpacked 1 GiB on one GPU in
-# 0.591 / 0.595 ms against 0.628 / 0.631 for the earlier 1024/16/4, read it across NVLink
-# in 2.900 against 2.915 ms, and tied at 4 and 94 MiB; no other of eight shapes did better.
-BLOCK = 2048
-PROGRAMS_PER_SM = 8
-NUM_WARPS = 8
+# per thread: the shape every server run of these graphs used. A candidate, 2048/8/8,
+# packed and unpacked 1 GiB on one GPU in 0.591 / 0.595 ms against 0.628 / 0.631 and read
+# it across NVLink in 2.900 against 2.915 ms, tying at 4 and 94 MiB (2 x H200, 2026-11-27,
+# experiments/bench_remote_unpack.py, kernels alone); it becomes the default once the
+# servers have run it under load.
+BLOCK = 1024
+PROGRAMS_PER_SM = 16
+NUM_WARPS = 4  # Triton's default
 
 
 def encode(extent_addr: int, ids: array.array, valid_slots: int, tag_addr: int,
