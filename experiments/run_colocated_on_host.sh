@@ -46,7 +46,8 @@
 #          (the faults reach the READs too); D must stay alive and every completed output
 #          equal the reference.
 # Every staged pair must name its wire in D's log ("kvcached-pd: staged peer ... wire ipc";
-# --expect-wire ipc), with no IPC->NIXL fallback, except staged-nixl (forced nixl). A mode
+# --expect-wire ipc; nixl across two GPUs with KVPD_D_SEES_P=0, where D cannot map P's
+# staging), with no IPC->NIXL fallback, except staged-nixl (forced nixl). A mode
 # whose servers do not start is reported by its harness with the reason (the other modes
 # go on); every run's exit status is printed as "rc NAME=N" and in OUT/PART.log.
 # Minutes are estimated from the one-GPU sessions of 2026-11-24 (instances start in
@@ -93,6 +94,10 @@ read -r P_GPU D_GPU <<< "${KVPD_GPUS:-0 0}"
 D_VISIBLE=$D_GPU
 if [ "$P_GPU" != "$D_GPU" ] && [ "${KVPD_D_SEES_P:-1}" = 1 ]; then D_VISIBLE="$D_GPU,$P_GPU"; fi
 GPU_ARGS=(--prefill-gpu "$P_GPU" --decode-gpu "$D_VISIBLE")
+# the wire every kvcached-pd mode must report: ipc, except across two GPUs with D seeing its
+# own alone, where `auto` falls back to NIXL (D's staging then allocated at its first READ)
+WIRE=ipc
+[ "$P_GPU" != "$D_GPU" ] && [ "${KVPD_D_SEES_P:-1}" = 0 ] && WIRE=nixl
 # COLO_PORT_BASE: the harnesses' HTTP ports from there, side channels from +200, proxies
 # from +400 (unset: their defaults). Two parts started at once on one host with the same
 # defaults pick the same free ports, and a harness then takes the other's servers for its
@@ -161,11 +166,11 @@ b)
         traffic kvbig $(( $(left) * share / 20 - (share == 20 ? 25 : 0) )) --model "$KVBIG" \
           --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
           --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 --settle-s 20 \
-          --expect-wire ipc --trace "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${GPU_ARGS[@]}" ;;
+          --expect-wire "$WIRE" --trace "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${GPU_ARGS[@]}" ;;
       tiny)
         traffic tiny $(( $(left) - 25 )) --model "$TINY" \
           --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
-          --push-concurrent --repeats 3 --settle-s 20 --expect-wire ipc --trace \
+          --push-concurrent --repeats 3 --settle-s 20 --expect-wire "$WIRE" --trace \
           "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${GPU_ARGS[@]}" ;;
       *) echo "COLO_B_MODELS: unknown model '$m' (kvbig, tiny)" >&2; exit 2 ;;
     esac
@@ -175,14 +180,14 @@ c)
   read -r -a eq_modes <<< "${COLO_EQ_MODES:-reference vanilla staged-contiguous \
 push-contiguous kvcached-pd-staged push mixed-p mixed-d blocksize negative}"
   run timeout $(( $(left) - 15 )) bash "$HERE/equivalence.sh" "$W/eq" "${eq_modes[@]}" \
-    --model "$TINY" --parallel 2 --push-concurrent --expect-wire ipc \
+    --model "$TINY" --parallel 2 --push-concurrent --expect-wire "$WIRE" \
     --deadline-s $(( $(left) - 35 )) --extra-serve-args=--enable-prefix-caching \
     "${GPU_ARGS[@]}" --single-gpu "$P_GPU" "${PORT_ARGS[@]}"
   echo "rc equivalence=$?"
   ;;
 d)
   traffic aborts $(( $(left) - 25 )) --model "$TINY" --modes kvpd-staged,kvpd-push \
-    --push-concurrent --issue-aborts --repeats "${COLO_ABORT_REPEATS:-5}" --expect-wire ipc "${GPU_ARGS[@]}" \
+    --push-concurrent --issue-aborts --repeats "${COLO_ABORT_REPEATS:-5}" --expect-wire "$WIRE" "${GPU_ARGS[@]}" \
     ${COLO_TRACE:+--trace}
   ;;
 e)
@@ -222,14 +227,14 @@ e)
     mine=$(need "$kill")
     traffic "kill${role:0:1}" $(( ($(left) - 25) * mine / needs )) --model "$TINY" \
       --modes "$modes" --push-concurrent --requests 128 --kill "$role" \
-      --kill-at-s 1 --expect-wire ipc "${GPU_ARGS[@]}"
+      --kill-at-s 1 --expect-wire "$WIRE" "${GPU_ARGS[@]}"
     needs=$(( needs - mine ))
   done
   ;;
 f)
   traffic ucxfault $(( $(left) - 25 )) --model "$TINY" \
     --modes vanilla,kvpd-staged,kvpd-push,kvpd-staged-nixl --push-concurrent --repeats 1 \
-    --ucx-fault-lib kvpd --ucx-fault-on both --ucx-fault-every 8 --expect-wire ipc \
+    --ucx-fault-lib kvpd --ucx-fault-on both --ucx-fault-every 8 --expect-wire "$WIRE" \
     "${GPU_ARGS[@]}"
   ;;
 esac

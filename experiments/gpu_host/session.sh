@@ -39,7 +39,12 @@
 #   cross-n (not by default) part a across the two GPUs with D seeing its own GPU alone
 #     (KVPD_D_SEES_P=0): the auto wire falls back to NIXL, so D allocates its staging range
 #     at its first READ (region.DecodeStaging) while vanilla and the forced NIXL wire run
-#     beside it: that allocation on a GPU, and what it costs the first READ
+#     beside it: that allocation on a GPU, and what it costs the first READ; cross-dn: part
+#     d (the issue's aborts) the same way, so that lazy D staging runs on the NIXL wire
+#     under concurrent load with client aborts on either leg
+#   colo-gs (not by default) colo-g with COLO_STAGING_MB=${SESSION_STAGING_MB:-6144} on the
+#     kvcached-pd instances: P's staging holding all eight 752 MiB extents of the TTFT
+#     batch (the default 4 GiB holds five; the rest wait for D's DONEs)
 #   colo-e (either plan: not by default) run_colocated_on_host.sh part e: kill D, then P,
 #     mid-load; colo-f, cross-f: part f, UCX faults.
 #   chunks (not by default) chunk_split.py on the lane's GPU: greedy tokens per prefill cut
@@ -82,7 +87,7 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
     cross-a|cross-n) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
-    cross-b) echo 6 ;; colo-g|colo-h) echo 4 ;; colo-e|cross-e) echo 8 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
+    cross-b) echo 6 ;; colo-g|colo-h|colo-gs) echo 4 ;; cross-dn) echo 6 ;; colo-e|cross-e) echo 8 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
     launch) echo 1 ;;
     *) echo 5 ;;
   esac
@@ -147,6 +152,9 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
     colo-[gh]) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' COLO_CUDA_GRAPHS=1" \
                     "COLO_B_MODELS=$([ "$step" = colo-g ] && echo kvbig || echo tiny)" \
                     "bash experiments/run_colocated_on_host.sh $w b" ;;
+    colo-gs) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' COLO_CUDA_GRAPHS=1" \
+                  "COLO_B_MODELS=kvbig COLO_STAGING_MB=${SESSION_STAGING_MB:-6144}" \
+                  "bash experiments/run_colocated_on_host.sh $w b" ;;
     colo-c) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' bash experiments/run_colocated_on_host.sh $w c" ;;
     colo-d) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU'" \
                  "COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
@@ -156,6 +164,9 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
                   "bash experiments/run_colocated_on_host.sh $w d" ;;
     cross-[abcef]) echo "${LANE_PORTS}KVPD_GPUS='0 1' bash experiments/run_colocated_on_host.sh $w ${step#cross-}" ;;
     cross-n) echo "${LANE_PORTS}KVPD_GPUS='0 1' KVPD_D_SEES_P=0 bash experiments/run_colocated_on_host.sh $w a" ;;
+    cross-dn) echo "${LANE_PORTS}KVPD_GPUS='0 1' KVPD_D_SEES_P=0" \
+                   "COLO_ABORT_REPEATS=${SESSION_ABORT_REPEATS:-3}" \
+                   "bash experiments/run_colocated_on_host.sh $w d" ;;
   esac
 }
 

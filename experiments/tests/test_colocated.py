@@ -557,3 +557,24 @@ def test_the_self_test_says_whether_ps_death_or_ds_unmap_freed_ps_gpu():
     assert ipc_selftest.freed_on_peer_gpu(at_death) == {"by_death": 1548.0, "by_unmap": 0.0}
     assert ipc_selftest.freed_on_peer_gpu({"both_alive": 1.0}) == {"by_death": None,
                                                                    "by_unmap": None}
+
+
+def test_the_wire_every_load_expects_follows_what_d_can_map(tmp_path, models):
+    """ipc on one GPU and across two with P's GPU visible to D; nixl across two with D
+    seeing its own alone (KVPD_D_SEES_P=0: `auto` falls back, D's staging allocated at
+    its first READ), so part d can run the issue's aborts on that wire."""
+    def wires(**env):
+        out = set()
+        for part in "bcdef":
+            for argv in _dry_run(tmp_path, part, **env, **models):
+                if any(x.endswith("traffic.sh") for x in argv):
+                    out.add(pd_load.parse_args(
+                        ["--out", "x", *_after(argv, "traffic.sh")[1:]]).expect_wire)
+                elif any(x.endswith("equivalence.sh") for x in argv):
+                    out.add(equivalence.parse_args(_after(argv, "equivalence.sh")).expect_wire)
+        return out
+
+    assert wires() == {"ipc"}
+    assert wires(KVPD_GPUS="0 1") == {"ipc"}
+    assert wires(KVPD_GPUS="0 1", KVPD_D_SEES_P="0") == {"nixl"}
+    assert wires(KVPD_GPUS="1 1", KVPD_D_SEES_P="0") == {"ipc"}  # one GPU: D sees P's

@@ -188,6 +188,21 @@ def test_cross_n_runs_part_a_across_the_gpus_with_d_seeing_its_own_gpu_alone(tmp
     assert "KVPD_D_SEES_P" not in lines["X cross-a"]
 
 
+def test_colo_gs_and_cross_dn(tmp_path):
+    """colo-gs: colo-g with P's staging holding the TTFT batch (SESSION_STAGING_MB, 6144
+    unless set); cross-dn: the aborts across the GPUs with D on the NIXL fallback."""
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2", SESSION_PLAN="T colo-gs;X cross-dn")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(":")[0]: line for line in r.stdout.splitlines()}
+    assert "COLO_CUDA_GRAPHS=1 COLO_B_MODELS=kvbig COLO_STAGING_MB=6144 " in lines["T colo-gs"]
+    assert lines["T colo-gs"].endswith("/work/colo-gs b")
+    assert "KVPD_GPUS='0 1' KVPD_D_SEES_P=0 COLO_ABORT_REPEATS=3 " in lines["X cross-dn"]
+    assert lines["X cross-dn"].endswith("/work/cross-dn d")
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2", SESSION_PLAN="T colo-gs",
+            SESSION_STAGING_MB="8192")
+    assert "COLO_STAGING_MB=8192 " in r.stdout
+
+
 def test_steps_run_side_by_side_get_ports_of_their_own(tmp_path):
     """2 x H100, 2026-11-27: "C colo-c+colo-d" gave both steps COLO_PORT_BASE=23000; their
     first kvcached-pd servers met "Address already in use" and both modes were lost."""
