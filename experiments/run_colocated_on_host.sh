@@ -80,7 +80,9 @@ if [ "${KVCACHED_PD_FROM:-checkout}" = checkout ]; then
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
 mkdir -p "$OUT"
-W=/tmp/kvpd-colo-$PART-$(date +%H%M%S)
+# the PID too: two lanes that start the same part in the same second (colo-g beside colo-h,
+# 2026-11-27g) shared one folder, and each packed the other's run into its own results
+W=/tmp/kvpd-colo-$PART-$(date +%H%M%S)-$$
 [ "$DRY" = 1 ] || mkdir -p "$W"
 [ "$DRY" = 1 ] || exec > >(tee -a "$OUT/$PART.log") 2>&1
 T0=$(date +%s)
@@ -212,10 +214,13 @@ e)
     # included. 2 x H200, 2026-11-27 (lane C beside lane T): every server ready after
     # 118-140 s; a kill-D run 91 s (P holds the extents of D's dead requests for vLLM's KV
     # lease, 30 s, and the harness waits that out plus 15 s), a kill-P run 30-32 s. An
-    # even split by runs gave kill D 267 s, and its push run never started (twice).
+    # even split by runs gave kill D 267 s, and its push run never started (twice); this
+    # split gave it 322 s on 2026-11-27g, where its servers took 152 s (lane T starting
+    # its own beside them) and push, again, did not start: hence 160 s, and session.sh
+    # gives colo-e 720 s instead of the 560 a part gets in one host command.
     local n
     n=$(count "$(kill_modes "$1")")
-    if [ "${1%%:*}" = decode ]; then echo $(( 130 + 95 * n )); else echo $(( 130 + 35 * n )); fi
+    if [ "${1%%:*}" = decode ]; then echo $(( 160 + 95 * n )); else echo $(( 160 + 35 * n )); fi
   }
   needs=0  # what the kills still to come need: the time left is split by that
   for kill in "${kills[@]}"; do needs=$(( needs + $(need "$kill") )); done

@@ -87,7 +87,7 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
     cross-a|cross-n) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
-    cross-b) echo 6 ;; colo-g|colo-h|colo-gs) echo 4 ;; cross-dn) echo 6 ;; colo-e|cross-e) echo 8 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
+    cross-b) echo 6 ;; colo-g|colo-h|colo-gs) echo 4 ;; cross-dn) echo 6 ;; colo-e|cross-e) echo 12 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
     launch) echo 1 ;;
     *) echo 5 ;;
   esac
@@ -122,7 +122,8 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
   local step=${1%@*} w=$2
   if [ -n "${SESSION_FAKE_STEPS:-}" ]; then  # the offline test: each step sleeps and writes
     echo "sleep $SESSION_FAKE_STEPS; echo $1 \$(command -v python3) > $w/summary.txt;" \
-         "echo '${LANE_PORTS}gpu $LANE_GPU' > $w/lane.txt; [ $step != colo-d ]"
+         "echo '${LANE_PORTS}gpu $LANE_GPU' > $w/lane.txt; echo \$COLO_BUDGET_S > $w/budget.txt;" \
+         "[ $step != colo-d ]"
     return
   fi
   case $step in
@@ -194,7 +195,12 @@ run_step() {  # run_step LANE STEP [SLOT]: one step inside the session's deadlin
   mkdir -p "$w"
   t0=$(date +%s)
   echo "[$(date +%T)] $lane: $step${venv:+ (PATH from $venv)}: $(step_cmd "$step" "$w")"
-  (cd $S/repo && PATH=$path COLO_BUDGET_S=$(( left - 20 < 560 ? left - 20 : 560 )) \
+  # a part's seconds: 560 fits one host command (killed at 600); the kills of part e need
+  # more (two server starts and three load runs: colo-e's kill D push never started
+  # within 560, 2026-11-27f and g), and a session's step is not one host command
+  local cap=560
+  case ${step%@*} in colo-e|cross-e) cap=720 ;; esac
+  (cd $S/repo && PATH=$path COLO_BUDGET_S=$(( left - 20 < cap ? left - 20 : cap )) \
      timeout --signal=TERM --kill-after=20 "$left" bash -c "$(step_cmd "$step" "$w")") \
      > "$w/step.log" 2>&1
   rc=$?

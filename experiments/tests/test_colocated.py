@@ -387,6 +387,12 @@ def test_part_e_kills_the_roles_asked_for_with_the_parts_whole_time(tmp_path, mo
     # ~130 s, a kill-D run 91 s, a kill-P run 31 s): an even split by runs gave kill D
     # 267 s of the default part and its push run never started
     assert 190 < first < 220 and 310 < kill_d < 345
+    # 2 x H200, 2026-11-27g: kill D's servers took 152 s (lane T starting its own beside
+    # them) and its pull run 91 s; with the 720 s session.sh gives part e, both its runs fit
+    (argv, _) = [argv for argv in _dry_run(tmp_path, "e", COLO_BUDGET_S="720", **models)
+                 if any(x.endswith("traffic.sh") for x in argv)]
+    share = int(next(x.split("=", 1)[1] for x in argv if x.startswith("TRAFFIC_BUDGET_S=")))
+    assert share > 152 + 2 * 91 + 45
     # ROLE:MODES kills that role under those modes only (2026-11-26, twice: kill D under
     # push never fitted after pull's run in the same part)
     cmds = [argv for argv in _dry_run(tmp_path, "e", COLO_KILLS="decode:kvpd-push prefill",
@@ -578,3 +584,19 @@ def test_the_wire_every_load_expects_follows_what_d_can_map(tmp_path, models):
     assert wires(KVPD_GPUS="0 1") == {"ipc"}
     assert wires(KVPD_GPUS="0 1", KVPD_D_SEES_P="0") == {"nixl"}
     assert wires(KVPD_GPUS="1 1", KVPD_D_SEES_P="0") == {"ipc"}  # one GPU: D sees P's
+
+
+def test_two_parts_started_in_the_same_second_work_in_folders_of_their_own(tmp_path, models):
+    """2026-11-27g: lane T's colo-g and lane C's colo-h (both part b) started in the same
+    second, shared /tmp/kvpd-colo-b-HHMMSS, and each packed the other's load as its own."""
+    env = dict(os.environ, COLO_DRY_RUN="1", **models)
+    procs = [subprocess.Popen(["bash", os.path.join(EXP, "run_colocated_on_host.sh"),
+                               str(tmp_path / f"out{i}"), "b"], stdout=subprocess.PIPE,
+                              text=True, env=env) for i in range(2)]
+    folders = []
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        argv = next(shlex.split(line[len("DRY:"):]) for line in out.splitlines()
+                    if line.startswith("DRY:") and "traffic.sh" in line)
+        folders.append(os.path.dirname(_after(argv, "traffic.sh")[0]))
+    assert folders[0] != folders[1]

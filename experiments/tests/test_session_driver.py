@@ -302,3 +302,16 @@ def test_check_uploads_counts_a_checkout_with_a_file_deleted_but_still_indexed(t
                        text=True, timeout=60)
     assert r.returncode == 0 and "fits" in r.stdout, r.stdout + r.stderr
     assert "checkout: " in r.stdout
+
+
+def test_the_kills_get_more_than_one_host_commands_seconds(tmp_path):
+    """colo-e's kill D push never started within the 560 s a part gets in one host
+    command (2026-11-27f and g: its servers alone took 118-152 s); in a session a step is
+    no host command, so part e gets 720 s and every other part 560."""
+    r = run(tmp_path, "start", "abc123", SESSION_FAKE_STEPS="1", SESSION_GPUS="2",
+            SESSION_SECONDS="1000", SESSION_PLAN="T colo-e;C colo-d")
+    assert r.returncode == 0, r.stderr
+    run(tmp_path, "wait", "60", str(tmp_path / "out"))
+    work = tmp_path / "s" / "work"
+    assert int((work / "colo-e" / "budget.txt").read_text()) == 720
+    assert int((work / "colo-d" / "budget.txt").read_text()) == 560
