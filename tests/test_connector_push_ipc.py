@@ -322,3 +322,35 @@ def test_two_requests_claimed_across_an_idle_unmap_each_load_claimed_once(
     assert pd.run([p, d], lambda: all(d.outputs[r].finished for r in prompts))
     assert settled(p, d) and reads_left(d) == 0
     assert not d.connector._decode.claiming and not d.connector._decode.claimed
+
+
+def test_a_decode_that_dies_after_its_claim_leaves_p_serving_the_next(
+        staged_env, ipc, sync_loads, claims, shut_down):
+    """Kill D mid-handoff, push mode over CUDA IPC: D's scheduler claimed the request, P
+    prefilled and staged it for D, then D is gone (it never steps again and its claim
+    sockets close; a killed process sends nothing more). No READ and no DONE come: P
+    frees the request's extent and blocks by the end of its KV lease (vLLM's push
+    connector reports the request sent when its lease runs out; kvcached-pd's own expiry
+    is the backstop: with both removed this fails), stays up, and serves the next D,
+    whose KV arrives exactly. (The GPU runs' kill D under push was not reached in three
+    sessions, for the harness's time; this is its CPU half.)"""
+    from tests.test_connector_push import LEASE_S
+
+    p, d = mapped_pair(shut_down, (73, 74))
+    prompt = list(range(700, 761))
+    d.sched.add_request(pd.decode_request("k1", prompt, concurrent_params(p, "k1")))
+    for _ in range(5):
+        d.step()
+    assert held_back(d, "k1")
+    p.sched.add_request(pd.prefill_request("k1", prompt))
+    assert pd.run([p], lambda: "k1" in p.outputs)
+    assert "k1" in p.connector._prefill.staged, "P did not hold the extent for D"
+    d.sched.shutdown()  # D dies holding its claim
+    assert pd.run([p], lambda: not p.sched.requests and not p.connector._prefill.staged
+                  and p.connector._prefill.allocator.used_bytes == 0,
+                  timeout_s=LEASE_S + 10), "P held the dead D's extent past its lease"
+    assert ("k1", 0) not in p.done_seen
+    d2 = engine(shut_down, "d2", "kv_consumer", 75)
+    want, got = both_legs(p, d2, "k2", PROMPT)
+    assert_same_kv(want, got, len(PROMPT))
+    assert settled(p, d2)
