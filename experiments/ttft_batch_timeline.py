@@ -11,7 +11,9 @@ requests wait and for what: P's staging being full (``P admit`` long after ``P a
 P's prefill steps, or D's first step. For each request of the batch, in milliseconds from
 the batch's first client send:
 
-  P arr / P adm   P: the request's arrival / its extent reserved (a gap: staging was full)
+  P arr / P adm   P: the request's arrival / its extent reserved, when P's scheduler
+                  first takes it (a gap: staging was full, or P's earlier prefill
+                  steps used their token budget on the batch's other prompts)
   P fin           P: the extent handed to D (P's prefill done and packed)
   D arr / D match D: arrival (the proxy's second leg) / the scheduler takes it as staged
   D read          D: the unpack enqueued (the KV is D's from here)
