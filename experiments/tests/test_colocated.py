@@ -476,17 +476,23 @@ def test_cuda_graphs_and_the_loads_of_part_b_when_asked(tmp_path, models):
     assert res.returncode == 2 and "unknown model 'huge'" in res.stderr
 
 
-def test_a_port_base_reaches_every_harness_of_a_part(tmp_path, models):
-    for part in "bcdef":
-        for argv in _dry_run(tmp_path, part, COLO_PORT_BASE="23000", **models):
+def _serving_harnesses(tmp_path, parts, **env):
+    """(part, parsed arguments) of every load and equivalence harness the parts run."""
+    for part in parts:
+        for argv in _dry_run(tmp_path, part, **env):
             if any(x.endswith("traffic.sh") for x in argv):
-                a = pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]])
+                yield part, pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]])
             elif any(x.endswith("equivalence.sh") for x in argv):
-                a = equivalence.parse_args(_after(argv, "equivalence.sh"))
-            else:
-                continue
-            assert (a.port_base, a.side_channel_port_base, a.proxy_port_base) == (
-                23000, 23200, 23400), (part, argv)
+                yield part, equivalence.parse_args(_after(argv, "equivalence.sh"))
+
+
+def test_a_port_base_reaches_every_harness_of_a_part(tmp_path, models):
+    seen = set()
+    for part, a in _serving_harnesses(tmp_path, "bcdef", COLO_PORT_BASE="23000", **models):
+        seen.add(part)
+        assert (a.port_base, a.side_channel_port_base, a.proxy_port_base) == (
+            23000, 23200, 23400), part
+    assert seen == set("bcdef")
 
 
 def test_other_gpus_and_unknown_parts(tmp_path, models):
@@ -570,15 +576,10 @@ def test_the_wire_every_load_expects_follows_what_d_can_map(tmp_path, models):
     seeing its own alone (KVPD_D_SEES_P=0: `auto` falls back, D's staging allocated at
     its first READ), so part d can run the issue's aborts on that wire."""
     def wires(**env):
-        out = set()
-        for part in "bcdef":
-            for argv in _dry_run(tmp_path, part, **env, **models):
-                if any(x.endswith("traffic.sh") for x in argv):
-                    out.add(pd_load.parse_args(
-                        ["--out", "x", *_after(argv, "traffic.sh")[1:]]).expect_wire)
-                elif any(x.endswith("equivalence.sh") for x in argv):
-                    out.add(equivalence.parse_args(_after(argv, "equivalence.sh")).expect_wire)
-        return out
+        found = {(part, a.expect_wire) for part, a in
+                 _serving_harnesses(tmp_path, "bcdef", **env, **models)}
+        assert {part for part, _ in found} == set("bcdef")
+        return {wire for _, wire in found}
 
     assert wires() == {"ipc"}
     assert wires(KVPD_GPUS="0 1") == {"ipc"}
