@@ -42,6 +42,9 @@
 #     beside it: that allocation on a GPU, and what it costs the first READ; cross-dn: part
 #     d (the issue's aborts) the same way, so that lazy D staging runs on the NIXL wire
 #     under concurrent load with client aborts on either leg
+#   colo-gm, colo-hm (not by default) colo-g, colo-h with every instance of the part (one
+#     instance, vanilla PD, kvcached-pd) a client of one MPS server on the lane's GPU
+#     (gpu_host/with_mps.sh): P's and D's kernels may share the GPU instead of taking turns
 #   colo-gs (not by default) colo-g with COLO_STAGING_MB=${SESSION_STAGING_MB:-6144} on the
 #     kvcached-pd instances: P's staging holding all eight 752 MiB extents of the TTFT
 #     batch (the default 4 GiB holds five; the rest wait for D's DONEs)
@@ -87,7 +90,7 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   case ${1%@*} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
     cross-a|cross-n) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
-    cross-b) echo 6 ;; colo-g|colo-h|colo-gs) echo 4 ;; cross-dn) echo 6 ;; colo-e|cross-e) echo 12 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
+    cross-b) echo 6 ;; colo-g|colo-h|colo-gs|colo-gm|colo-hm) echo 4 ;; cross-dn) echo 6 ;; colo-e|cross-e) echo 12 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
     launch) echo 1 ;;
     *) echo 5 ;;
   esac
@@ -153,6 +156,10 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
     colo-[gh]) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' COLO_CUDA_GRAPHS=1" \
                     "COLO_B_MODELS=$([ "$step" = colo-g ] && echo kvbig || echo tiny)" \
                     "bash experiments/run_colocated_on_host.sh $w b" ;;
+    colo-[gh]m) echo "bash experiments/gpu_host/with_mps.sh $LANE_GPU $w env" \
+                     "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' COLO_CUDA_GRAPHS=1" \
+                     "COLO_B_MODELS=$([ "$step" = colo-gm ] && echo kvbig || echo tiny)" \
+                     "bash experiments/run_colocated_on_host.sh $w b" ;;
     colo-gs) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' COLO_CUDA_GRAPHS=1" \
                   "COLO_B_MODELS=kvbig COLO_STAGING_MB=${SESSION_STAGING_MB:-6144}" \
                   "bash experiments/run_colocated_on_host.sh $w b" ;;

@@ -315,3 +315,47 @@ def test_the_kills_get_more_than_one_host_commands_seconds(tmp_path):
     work = tmp_path / "s" / "work"
     assert int((work / "colo-e" / "budget.txt").read_text()) == 720
     assert int((work / "colo-d" / "budget.txt").read_text()) == 560
+
+
+def test_colo_gm_and_hm_run_colo_g_and_h_under_the_lanes_own_mps_server(tmp_path):
+    """colo-gm / colo-hm: colo-g / colo-h with every instance a client of one MPS server
+    on the lane's GPU (with_mps.sh, its pipes in the step's folder)."""
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2", SESSION_PLAN="T colo-gm;C colo-hm")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(":")[0]: line for line in r.stdout.splitlines()}
+    for name, gpu, model in (("T colo-gm", 0, "kvbig"), ("C colo-hm", 1, "tiny")):
+        step = name.split()[1]
+        assert f"gpu_host/with_mps.sh {gpu} {tmp_path}/s/work/{step} env " in lines[name]
+        assert f"KVPD_GPUS='{gpu} {gpu}' COLO_CUDA_GRAPHS=1 COLO_B_MODELS={model} " in lines[name]
+        assert lines[name].endswith(f"/work/{step} b")
+
+
+WITH_MPS = os.path.join(os.path.dirname(HERE), "gpu_host", "with_mps.sh")
+
+
+def test_with_mps_serves_the_command_its_own_daemon_and_stops_it_however_it_ends(tmp_path):
+    """The command's CUDA processes find the daemon through the pipe folder under WORKDIR;
+    the daemon is started for the GPU named and told to quit when the command ends, also
+    when it fails (its exit status is kept); without a control daemon nothing runs."""
+    ctl = tmp_path / "fake-ctl"
+    calls = tmp_path / "calls.txt"
+    ctl.write_text(f"#!/bin/bash\necho \"$* gpu=$CUDA_VISIBLE_DEVICES stdin=$([ \"$1\" = -d ] "
+                   f"|| cat)\" >> {calls}\n")
+    ctl.chmod(0o755)
+    w = tmp_path / "w"
+    cmd = "echo pipe=$CUDA_MPS_PIPE_DIRECTORY > $0.seen; exit 7"
+    r = subprocess.run(["bash", WITH_MPS, "1", str(w), "bash", "-c", cmd, str(w / "cmd")],
+                       env=dict(os.environ, MPS_CONTROL=str(ctl)), capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 7, r.stderr
+    assert (w / "cmd.seen").read_text().strip() == f"pipe={w}/mps-pipe"
+    started, stopped = calls.read_text().splitlines()
+    assert started == "-d gpu=1 stdin=" and stopped.endswith(" stdin=quit")
+    assert "command rc=7" in (w / "mps.txt").read_text()
+
+    r = subprocess.run(["bash", WITH_MPS, "0", str(tmp_path / "w2"), "touch",
+                        str(tmp_path / "ran")],
+                       env=dict(os.environ, MPS_CONTROL=str(tmp_path / "absent")),
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 3 and not (tmp_path / "ran").exists()
+    assert "no MPS" in (tmp_path / "w2" / "mps.txt").read_text()

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Run one command with every CUDA process it starts as a client of its own MPS server on
+# one GPU, then stop that server.
+#
+#   bash experiments/gpu_host/with_mps.sh GPU WORKDIR COMMAND...
+#
+# Why: P and D on one GPU without MPS time-slice it (each process's context gets the GPU
+# in turn), so D's decode steps wait behind P's prefills; under MPS their kernels may run
+# at the same time. Whether kvcached's memory and kvcached-pd's CUDA IPC wire (a VMM
+# allocation exported as a POSIX fd, an IPC event) work under MPS, and what it does to the
+# colocated loads against one instance and vanilla PD, all under the same server, is what
+# the session steps colo-gm / colo-hm run this for.
+#
+# The control daemon is this command's own: its pipe and log folders are under WORKDIR
+# (clients find it through CUDA_MPS_PIPE_DIRECTORY, exported to COMMAND), it sees GPU
+# alone, and it is told to quit when COMMAND ends, however it ends. Nothing else on the
+# host (no other process, no GPU setting: compute mode, clocks and MIG stay as they are)
+# is touched. WORKDIR/mps.txt says what happened. Exit: COMMAND's, or 3 where no MPS
+# control daemon can be started (nothing run).
+set -uo pipefail
+GPU=${1:?usage: with_mps.sh GPU WORKDIR COMMAND...}
+W=${2:?usage: with_mps.sh GPU WORKDIR COMMAND...}
+shift 2
+[ $# -ge 1 ] || { echo "usage: with_mps.sh GPU WORKDIR COMMAND..." >&2; exit 2; }
+mkdir -p "$W/mps-pipe" "$W/mps-log"
+export CUDA_MPS_PIPE_DIRECTORY=$W/mps-pipe CUDA_MPS_LOG_DIRECTORY=$W/mps-log
+CTL=${MPS_CONTROL:-nvidia-cuda-mps-control}
+if ! command -v "$CTL" > /dev/null; then
+  echo "no MPS: $CTL not found on PATH" | tee "$W/mps.txt" >&2
+  exit 3
+fi
+if ! CUDA_VISIBLE_DEVICES=$GPU "$CTL" -d; then
+  echo "no MPS: $CTL -d failed" | tee "$W/mps.txt" >&2
+  exit 3
+fi
+stop() {
+  echo quit | "$CTL" > /dev/null 2>&1
+  { echo "== control log"; tail -20 "$W/mps-log/control.log" 2>/dev/null
+    echo "== server log"; tail -40 "$W/mps-log/server.log" 2>/dev/null; } >> "$W/mps.txt"
+}
+trap stop EXIT
+echo "MPS control daemon for GPU $GPU, pipes in $CUDA_MPS_PIPE_DIRECTORY ($(date '+%F %T'))" \
+  > "$W/mps.txt"
+"$@"
+rc=$?
+# which processes were clients (the server log names each client's pid as it connects)
+echo "command rc=$rc; client connections logged: $(cat "$W"/mps-log/*.log 2>/dev/null \
+  | grep -ci 'new client')" >> "$W/mps.txt"
+exit $rc
