@@ -42,9 +42,10 @@
 #     beside it: that allocation on a GPU, and what it costs the first READ; cross-dn: part
 #     d (the issue's aborts) the same way, so that lazy D staging runs on the NIXL wire
 #     under concurrent load with client aborts on either leg
-#   colo-gm, colo-hm (not by default) colo-g, colo-h with every instance of the part (one
-#     instance, vanilla PD, kvcached-pd) a client of one MPS server on the lane's GPU
-#     (gpu_host/with_mps.sh): P's and D's kernels may share the GPU instead of taking turns
+#   STEP.mps (not by default; colo-* steps) STEP with every CUDA process it starts (one
+#     instance, vanilla PD, kvcached-pd) a client of one MPS server of its own on the lane's
+#     GPU (gpu_host/with_mps.sh): P's and D's kernels may share the GPU instead of taking
+#     turns, e.g. colo-g.mps colo-h.mps colo-d.mps
 #   colo-gs (not by default) colo-g with COLO_STAGING_MB=${SESSION_STAGING_MB:-6144} on the
 #     kvcached-pd instances: P's staging holding all eight 752 MiB extents of the TTFT
 #     batch (the default 4 GiB holds five; the rest wait for D's DONEs)
@@ -87,10 +88,11 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   # 157 s with vLLM's CUDA graphs (its 8 minutes kept colo-h out of a 620 s session), cross-b
   # 293 s)
   [ -n "${SESSION_FAKE_STEPS:-}" ] && { echo 0; return; }
-  case ${1%@*} in
+  local step=${1%@*}
+  case ${step%.mps} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
     cross-a|cross-n) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
-    cross-b) echo 6 ;; colo-g|colo-h|colo-gs|colo-gm|colo-hm) echo 4 ;; cross-dn) echo 6 ;; colo-e|cross-e) echo 12 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
+    cross-b) echo 6 ;; colo-g|colo-h|colo-gs) echo 4 ;; cross-dn) echo 6 ;; colo-e|cross-e) echo 12 ;; colo-f) echo 6 ;; cross-f) echo 3 ;; chunks) echo 3 ;;
     launch) echo 1 ;;
     *) echo 5 ;;
   esac
@@ -129,6 +131,11 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
          "[ $step != colo-d ]"
     return
   fi
+  if [[ "$step" == colo-*.mps ]]; then  # the step under an MPS server of its own
+    echo "bash experiments/gpu_host/with_mps.sh $LANE_GPU $w bash -c" \
+         "$(printf %q "$(step_cmd "${step%.mps}" "$w")")"
+    return
+  fi
   case $step in
     handoff) echo "CUDA_VISIBLE_DEVICES=0 python3 experiments/bench_handoff.py --out $w" \
                   "--baseline .gpu/trees/462527c" ;;
@@ -156,10 +163,6 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
     colo-[gh]) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' COLO_CUDA_GRAPHS=1" \
                     "COLO_B_MODELS=$([ "$step" = colo-g ] && echo kvbig || echo tiny)" \
                     "bash experiments/run_colocated_on_host.sh $w b" ;;
-    colo-[gh]m) echo "bash experiments/gpu_host/with_mps.sh $LANE_GPU $w env" \
-                     "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' COLO_CUDA_GRAPHS=1" \
-                     "COLO_B_MODELS=$([ "$step" = colo-gm ] && echo kvbig || echo tiny)" \
-                     "bash experiments/run_colocated_on_host.sh $w b" ;;
     colo-gs) echo "${LANE_PORTS}KVPD_GPUS='$LANE_GPU $LANE_GPU' COLO_CUDA_GRAPHS=1" \
                   "COLO_B_MODELS=kvbig COLO_STAGING_MB=${SESSION_STAGING_MB:-6144}" \
                   "bash experiments/run_colocated_on_host.sh $w b" ;;

@@ -9,7 +9,7 @@
 # at the same time. Whether kvcached's memory and kvcached-pd's CUDA IPC wire (a VMM
 # allocation exported as a POSIX fd, an IPC event) work under MPS, and what it does to the
 # colocated loads against one instance and vanilla PD, all under the same server, is what
-# the session steps colo-gm / colo-hm run this for.
+# session steps named STEP.mps run this for (session.sh).
 #
 # The control daemon is this command's own: its pipe and log folders are under WORKDIR
 # (clients find it through CUDA_MPS_PIPE_DIRECTORY, exported to COMMAND), it sees GPU

@@ -317,17 +317,24 @@ def test_the_kills_get_more_than_one_host_commands_seconds(tmp_path):
     assert int((work / "colo-d" / "budget.txt").read_text()) == 560
 
 
-def test_colo_gm_and_hm_run_colo_g_and_h_under_the_lanes_own_mps_server(tmp_path):
-    """colo-gm / colo-hm: colo-g / colo-h with every instance a client of one MPS server
-    on the lane's GPU (with_mps.sh, its pipes in the step's folder)."""
-    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2", SESSION_PLAN="T colo-gm;C colo-hm")
+def test_a_colocated_step_named_mps_runs_under_the_lanes_own_mps_server(tmp_path):
+    """STEP.mps: the colocated step's own command, every instance a client of one MPS
+    server on the lane's GPU (with_mps.sh, its pipes in the step's folder)."""
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2",
+            SESSION_PLAN="T colo-g colo-g.mps;C colo-h.mps colo-d.mps")
     assert r.returncode == 0, r.stderr
-    lines = {line.split(":")[0]: line for line in r.stdout.splitlines()}
-    for name, gpu, model in (("T colo-gm", 0, "kvbig"), ("C colo-hm", 1, "tiny")):
-        step = name.split()[1]
-        assert f"gpu_host/with_mps.sh {gpu} {tmp_path}/s/work/{step} env " in lines[name]
-        assert f"KVPD_GPUS='{gpu} {gpu}' COLO_CUDA_GRAPHS=1 COLO_B_MODELS={model} " in lines[name]
-        assert lines[name].endswith(f"/work/{step} b")
+    lines = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in r.stdout.splitlines()}
+    for lane, gpu, step in (("T", 0, "colo-g"), ("C", 1, "colo-h"), ("C", 1, "colo-d")):
+        w = f"{tmp_path}/s/work/{step}.mps"
+        prefix = f"bash experiments/gpu_host/with_mps.sh {gpu} {w} bash -c "
+        cmd = lines[f"{lane} {step}.mps"]
+        assert cmd.startswith(prefix), cmd
+        # the quoted command is the plain step's, in the .mps step's folder
+        inner = subprocess.run(["bash", "-c", "printf %s " + cmd[len(prefix):]],
+                               capture_output=True, text=True).stdout
+        plain = run(tmp_path, "dry", "abc123", SESSION_GPUS="2",
+                    SESSION_PLAN=f"{lane} {step}").stdout.split(": ", 1)[1].strip()
+        assert inner == plain.replace(f"/work/{step} ", f"/work/{step}.mps "), (inner, plain)
 
 
 WITH_MPS = os.path.join(os.path.dirname(HERE), "gpu_host", "with_mps.sh")
