@@ -43,8 +43,8 @@
 #     d (the issue's aborts) the same way, so that lazy D staging runs on the NIXL wire
 #     under concurrent load with client aborts on either leg
 #   STEP.mps (not by default; colo-* steps) STEP with every CUDA process it starts (one
-#     instance, vanilla PD, kvcached-pd) a client of one MPS server of its own on the lane's
-#     GPU (gpu_host/with_mps.sh): P's and D's kernels may share the GPU instead of taking
+#     instance, vanilla PD, kvcached-pd) a client of one MPS server of its own
+#     (gpu_host/with_mps.sh; the step's instances stay on the lane's GPU): P's and D's kernels may share the GPU instead of taking
 #     turns, e.g. colo-g.mps colo-h.mps colo-d.mps
 #   colo-gs (not by default) colo-g with COLO_STAGING_MB=${SESSION_STAGING_MB:-6144} on the
 #     kvcached-pd instances: P's staging holding all eight 752 MiB extents of the TTFT
@@ -132,7 +132,7 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
     return
   fi
   if [[ "$step" == colo-*.mps ]]; then  # the step under an MPS server of its own
-    echo "bash experiments/gpu_host/with_mps.sh $LANE_GPU $w bash -c" \
+    echo "bash experiments/gpu_host/with_mps.sh $w bash -c" \
          "$(printf %q "$(step_cmd "${step%.mps}" "$w")")"
     return
   fi

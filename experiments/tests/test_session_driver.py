@@ -318,15 +318,15 @@ def test_the_kills_get_more_than_one_host_commands_seconds(tmp_path):
 
 
 def test_a_colocated_step_named_mps_runs_under_the_lanes_own_mps_server(tmp_path):
-    """STEP.mps: the colocated step's own command, every instance a client of one MPS
-    server on the lane's GPU (with_mps.sh, its pipes in the step's folder)."""
+    """STEP.mps: the colocated step's own command (its instances on the lane's GPU), every
+    instance a client of one MPS server (with_mps.sh, its pipes in the step's folder)."""
     r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2",
             SESSION_PLAN="T colo-g colo-g.mps;C colo-h.mps colo-d.mps")
     assert r.returncode == 0, r.stderr
     lines = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in r.stdout.splitlines()}
     for lane, gpu, step in (("T", 0, "colo-g"), ("C", 1, "colo-h"), ("C", 1, "colo-d")):
         w = f"{tmp_path}/s/work/{step}.mps"
-        prefix = f"bash experiments/gpu_host/with_mps.sh {gpu} {w} bash -c "
+        prefix = f"bash experiments/gpu_host/with_mps.sh {w} bash -c "
         cmd = lines[f"{lane} {step}.mps"]
         assert cmd.startswith(prefix), cmd
         # the quoted command is the plain step's, in the .mps step's folder
@@ -342,7 +342,8 @@ WITH_MPS = os.path.join(os.path.dirname(HERE), "gpu_host", "with_mps.sh")
 
 def test_with_mps_serves_the_command_its_own_daemon_and_stops_it_however_it_ends(tmp_path):
     """The command's CUDA processes find the daemon through the pipe folder under WORKDIR;
-    the daemon is started for the GPU named and told to quit when the command ends, also
+    the daemon is started with every GPU visible (a CUDA_VISIBLE_DEVICES at its start
+    renumbers the GPUs its clients name) and told to quit when the command ends, also
     when it fails (its exit status is kept); without a control daemon nothing runs."""
     ctl = tmp_path / "fake-ctl"
     calls = tmp_path / "calls.txt"
@@ -351,16 +352,17 @@ def test_with_mps_serves_the_command_its_own_daemon_and_stops_it_however_it_ends
     ctl.chmod(0o755)
     w = tmp_path / "w"
     cmd = "echo pipe=$CUDA_MPS_PIPE_DIRECTORY > $0.seen; exit 7"
-    r = subprocess.run(["bash", WITH_MPS, "1", str(w), "bash", "-c", cmd, str(w / "cmd")],
-                       env=dict(os.environ, MPS_CONTROL=str(ctl)), capture_output=True,
+    r = subprocess.run(["bash", WITH_MPS, str(w), "bash", "-c", cmd, str(w / "cmd")],
+                       env=dict(os.environ, MPS_CONTROL=str(ctl), CUDA_VISIBLE_DEVICES="1"),
+                       capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 7, r.stderr
     assert (w / "cmd.seen").read_text().strip() == f"pipe={w}/mps-pipe"
     started, stopped = calls.read_text().splitlines()
-    assert started == "-d gpu=1 stdin=" and stopped.endswith(" stdin=quit")
+    assert started == "-d gpu= stdin=" and stopped.endswith(" stdin=quit")
     assert "command rc=7" in (w / "mps.txt").read_text()
 
-    r = subprocess.run(["bash", WITH_MPS, "0", str(tmp_path / "w2"), "touch",
+    r = subprocess.run(["bash", WITH_MPS, str(tmp_path / "w2"), "touch",
                         str(tmp_path / "ran")],
                        env=dict(os.environ, MPS_CONTROL=str(tmp_path / "absent")),
                        capture_output=True, text=True, timeout=30)
