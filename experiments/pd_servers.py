@@ -232,6 +232,16 @@ def write_vllm_logging_config(path: str) -> str:
     return path
 
 
+# A server that died at its start because a port was taken between vLLM choosing it and
+# binding it: vLLM picks its internal ports (torch.distributed's rendezvous, ...) from the
+# kernel's ephemeral range, where any outgoing connection may take one first. On
+# 2026-11-27 (2 x H200, lanes T and C starting servers at once) vanilla PD's decode
+# engine died with "EADDRINUSE" on port 43671 and the run lost its vanilla column.
+# wait_until_ready starts such a server once more (vLLM picks new ports); any other
+# death, or a second clash, stays a failure.
+PORT_CLASH = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+
+
 class ManagedProcess:
     """A child process in its own process group whose output goes, time-stamped, to a log."""
 
@@ -247,6 +257,8 @@ class ManagedProcess:
         self.failure: str | None = None
         self.started_at = 0.0
         self.ready_at = 0.0
+        self.env_diff: dict[str, str] | None = None  # what start() wrote into the log
+        self.restarts = 0  # starts again after a port clash (wait_until_ready)
         self._tail: deque[str] = deque(maxlen=400)
         self._reader: threading.Thread | None = None
         self._log_lock = threading.Lock()
@@ -256,6 +268,7 @@ class ManagedProcess:
         assert threading.current_thread() is threading.main_thread(), \
             "spawn from the main thread (the parent-death signal is tied to the thread)"
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
+        self.env_diff = env_diff
         logf = open(self.log_path, "ab", buffering=0)
         header = [f"# {self.name} started {time.strftime('%Y-%m-%d %H:%M:%S')}",
                   f"# cmd: {shlex.join(self.cmd)}"]
@@ -338,7 +351,9 @@ def wait_until_ready(procs: list[ManagedProcess], timeout_s: float,
                      poll_s: float = 1.0) -> None:
     """Poll /health of every starting process until ready, dead or out of time.
 
-    Sets each process's state; a dead one is reported with the tail of its log."""
+    Sets each process's state; a dead one is reported with the tail of its log. One that
+    died of a port taken at its start (:data:`PORT_CLASH`) is started once more, within
+    the same ``timeout_s``."""
     t_end = time.monotonic() + timeout_s
     pending = [p for p in procs if p.state == "starting"]
     while pending:
@@ -346,6 +361,18 @@ def wait_until_ready(procs: list[ManagedProcess], timeout_s: float,
             if not p.alive():
                 code = p.proc.returncode if p.proc else None
                 time.sleep(0.3)  # let the log reader drain the last lines
+                if p.restarts == 0 and PORT_CLASH.search(p.tail(80)):
+                    log(f"RESTART {p.name}: exited with code {code} on a port taken at its "
+                        f"start ({PORT_CLASH.search(p.tail(80)).group(0)}); starting it once "
+                        f"more (log: {p.log_path})")
+                    p.restarts += 1
+                    p.signal_group(signal.SIGKILL)  # what is left of its group (an engine)
+                    if p._reader is not None:
+                        p._reader.join(timeout=5)
+                    p._tail.clear()
+                    p.start(p.env_diff)
+                    if p.state == "starting":
+                        continue
                 p.mark_failed(f"process exited with code {code} before becoming healthy")
                 log(f"FAILED {p.name}: exited with code {code}; last lines of {p.log_path}:\n"
                     + indent(p.tail(40)))

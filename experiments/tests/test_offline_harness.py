@@ -373,3 +373,56 @@ def test_kv_proof_subtracts_decode_prefix_cache_hits():
     run.metrics_after = {"decode": snap(2113 - 688 - 400, 688, 402)}  # D recomputed 400
     proof = equivalence.kv_proof(run)
     assert not proof["ok"] and any("external prefix cache hits" in p for p in proof["problems"])
+
+
+# ---- a server that dies of a port clash at its start -----------------------------------
+
+_CLASH_SERVER = """
+import http.server, os, sys, time
+marker, message, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+time.sleep(0.3)  # a server's start
+if os.path.exists(marker) and message != "always":
+    print("serving", flush=True)
+    http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler
+                           ).serve_forever()
+open(marker, "a").close()
+print("RuntimeError: " + (message if message != "always" else
+                          "The server socket has failed to listen: EADDRINUSE"), flush=True)
+sys.exit(1)
+"""
+
+
+def _clash_server(tmp_path, name, message):
+    script = tmp_path / "clash_server.py"
+    script.write_text(_CLASH_SERVER)
+    port = _ports.take()
+    return pd_servers.ManagedProcess(
+        name, [sys.executable, str(script), str(tmp_path / f"{name}.marker"), message,
+               str(port)],
+        dict(os.environ), str(tmp_path / f"{name}.log"), f"http://127.0.0.1:{port}/")
+
+
+def test_a_server_that_died_of_a_port_clash_at_its_start_is_started_once_more(tmp_path):
+    """vLLM picks its internal ports from the ephemeral range; one taken before vLLM
+    bound it killed vanilla PD's decode server on 2026-11-27 and lost the run's vanilla
+    column. Such a death is started once more (and logged twice in one log); any other
+    death, and a second clash, stay failures."""
+    clash = _clash_server(tmp_path, "clash", "torch.distributed.DistNetworkError: The server "
+                          "socket has failed to listen on any local network address. port: "
+                          "43671, code: -98, name: EADDRINUSE, message: address already in use")
+    other = _clash_server(tmp_path, "other", "CUDA out of memory")
+    twice = _clash_server(tmp_path, "twice", "always")
+    procs = [clash, other, twice]
+    for p in procs:
+        p.start({"SOME": "env"})
+    try:
+        pd_servers.wait_until_ready(procs, 20, poll_s=0.1)
+        assert clash.state == "ready" and clash.restarts == 1
+        log = (tmp_path / "clash.log").read_text()
+        assert log.count("# clash started") == 2 and log.count("# env: SOME=env") == 2
+        assert "serving" in log
+        assert other.state == "failed" and other.restarts == 0
+        assert twice.state == "failed" and twice.restarts == 1
+        assert "exited with code 1" in twice.failure
+    finally:
+        pd_servers.stop_all(procs, grace_s=3)
