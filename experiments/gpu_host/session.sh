@@ -44,8 +44,8 @@
 #     under concurrent load with client aborts on either leg
 #   STEP.mps (not by default; colo-* steps) STEP with every CUDA process it starts (one
 #     instance, vanilla PD, kvcached-pd) a client of one MPS server of its own
-#     (gpu_host/with_mps.sh; the step's instances stay on the lane's GPU): P's and D's kernels may share the GPU instead of taking
-#     turns, e.g. colo-g.mps colo-h.mps colo-d.mps
+#     (gpu_host/with_mps.sh; the step's instances stay on the lane's GPU): P's and D's
+#     kernels may share the GPU instead of taking turns, e.g. colo-g.mps colo-d.mps
 #   colo-gs (not by default) colo-g with COLO_STAGING_MB=${SESSION_STAGING_MB:-6144} on the
 #     kvcached-pd instances: P's staging holding all eight 752 MiB extents of the TTFT
 #     batch (the default 4 GiB holds five; the rest wait for D's DONEs)

@@ -9,7 +9,9 @@
 # at the same time. Whether kvcached's memory and kvcached-pd's CUDA IPC wire (a VMM
 # allocation exported as a POSIX fd, an IPC event) work under MPS, and what it does to the
 # colocated loads against one instance and vanilla PD, all under the same server, is what
-# session steps named STEP.mps run this for (session.sh).
+# session steps named STEP.mps run this for (session.sh). Measured 2026-11-27 (2 x H200,
+# driver 580.159.04, experiments/results/2026-11-27h-h200x2-session/): both work, and the
+# loads' ratios to one instance did not change.
 #
 # The control daemon is this command's own: its pipe and log folders are under WORKDIR
 # (clients find it through CUDA_MPS_PIPE_DIRECTORY, exported to COMMAND), and it is told
@@ -46,7 +48,7 @@ echo "MPS control daemon (every GPU visible), pipes in $CUDA_MPS_PIPE_DIRECTORY 
   > "$W/mps.txt"
 "$@"
 rc=$?
-# which processes were clients (the server log names each client's pid as it connects)
+# how many client connections the daemon's and the server's logs record
 echo "command rc=$rc; client connections logged: $(cat "$W"/mps-log/*.log 2>/dev/null \
   | grep -ci 'new client')" >> "$W/mps.txt"
 exit $rc
