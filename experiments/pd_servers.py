@@ -296,6 +296,16 @@ class ManagedProcess:
                                         name=f"log-{self.name}", daemon=True)
         self._reader.start()
 
+    def restart(self) -> None:
+        """Start the process again after it died: what is left of its group (an engine
+        process) is killed, its log reader drained; the log gets a second start."""
+        self.restarts += 1
+        self.signal_group(signal.SIGKILL)
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        self._tail.clear()
+        self.start(self.env_diff)
+
     def _pump(self, stream, logf) -> None:
         try:
             for raw in iter(stream.readline, b""):
@@ -361,16 +371,11 @@ def wait_until_ready(procs: list[ManagedProcess], timeout_s: float,
             if not p.alive():
                 code = p.proc.returncode if p.proc else None
                 time.sleep(0.3)  # let the log reader drain the last lines
-                if p.restarts == 0 and PORT_CLASH.search(p.tail(80)):
+                clash = PORT_CLASH.search(p.tail(80)) if p.restarts == 0 else None
+                if clash:
                     log(f"RESTART {p.name}: exited with code {code} on a port taken at its "
-                        f"start ({PORT_CLASH.search(p.tail(80)).group(0)}); starting it once "
-                        f"more (log: {p.log_path})")
-                    p.restarts += 1
-                    p.signal_group(signal.SIGKILL)  # what is left of its group (an engine)
-                    if p._reader is not None:
-                        p._reader.join(timeout=5)
-                    p._tail.clear()
-                    p.start(p.env_diff)
+                        f"start ({clash.group(0)}); starting it once more (log: {p.log_path})")
+                    p.restart()
                     if p.state == "starting":
                         continue
                 p.mark_failed(f"process exited with code {code} before becoming healthy")
