@@ -74,7 +74,8 @@ def stream_completion(url: str, body: dict, timeout: float, abort_p_ms: float | 
     out: dict = {"ok": False, "aborted": None, "status": 0, "error": None, "token_ids": [],
                  "prompt_tokens": None, "completion_tokens": None, "finish_reason": None,
                  "e2e_s": None, "ttft_s": None, "headers_s": None, "prefill_s": None,
-                 "decode_s": None, "started_at": time.time()}
+                 "decode_s": None, "started_at": time.time(),
+                 "request_id": request_id or uuid.uuid4().hex}
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
@@ -82,7 +83,7 @@ def stream_completion(url: str, body: dict, timeout: float, abort_p_ms: float | 
         sock = conn.sock  # http.client may drop conn.sock once the response is open
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         headers = {"Content-Type": "application/json",
-                   "X-Request-Id": request_id or uuid.uuid4().hex}
+                   "X-Request-Id": out["request_id"]}
         conn.request("POST", path, json.dumps(body).encode(), headers)
         if abort_p_ms is not None:
             sock.settimeout(max(0.001, abort_p_ms / 1000 - (time.perf_counter() - t0)))

@@ -8,7 +8,8 @@ environments come from pd_modes.LOAD_FLAVOURS: vanilla vLLM, and kvcached-pd wit
 kvcached's defaults plus ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1 (--kvcached-layout
 picks kvcached's contiguous default or the split layout). Then:
 
-1. one warm-up request per pair (NIXL's handshake is paid here, not in a measurement);
+1. a warm-up per pair: one short request (NIXL's handshake is paid here, not in a
+   measurement), then long prompts of the TTFT batch's shape (--no-long-warm-up: not);
 2. the reference serves the load once, without aborts: the ground truth per prompt;
 3. optionally (--ttft-batch N) N concurrent long prompts per mode: time to first token;
 4. --repeats times, mode after mode (interleaved, so drift hits every mode alike): the load,
@@ -49,8 +50,9 @@ what a repeat measured, are load_checks.py.
 
 Writes under --out: summary.txt, summary.json (re-written after every repeat, so a run
 cut short still leaves its results), latency.csv, modes/<mode>.json (every request),
-logs/, environment.json; with --trace, timeline.txt. Exit status 0 only when every mode
-passed; 1 when one failed; 2 when nothing failed but a check could not be made.
+logs/, environment.json; with --trace, timeline.txt (trace_timeline.py and
+critical_path.py). Exit status 0 only when every mode passed; 1 when one failed; 2 when
+nothing failed but a check could not be made.
 
 usage: pd_load.py --out OUT [--model /tmp/tiny] [--abort-every 9 --abort-prefill-ms 50
                   --abort-decode-ms 10] [--repeats 5] [--ttft-batch 8] ...
@@ -566,11 +568,39 @@ class LoadHarness:
                           f"{what} after {a.kill} was killed"}
 
     # ---- reference, warm-up, TTFT ------------------------------------------------------
+    def warm_up_prompts(self) -> list[Prompt]:
+        """The long half of the warm-up: the TTFT batch's shape (as many prompts, of the
+        longest length the run sends), or one prompt of the load's longest length.
+        Seeds of their own (the load's start at pd_common.LOAD_SEED_BASE, the TTFT
+        batch's at 5000), so no measured prompt finds them in a prefix cache. Why: on
+        2026-11-27 vLLM's JIT monitor logged Triton kernels (``matmul_kernel_persistent``
+        under ``VLLM_BATCH_INVARIANT=1``) compiled at inference in every instance, once
+        after the 32-token warm-up and in two runs once more under load, and one TTFT
+        batch had a 612 ms decode step: the first long prompts an instance sees may pay a
+        compile that the steady state an operator serves never does."""
+        a = self.a
+        longest = max([p.num_tokens for p in self.prompts]
+                      + ([a.ttft_prompt_tokens] if a.ttft_batch else []))
+        return [Prompt(f"warm-{i}-{longest}", longest, make_prompt_text(longest, seed=90000 + i))
+                for i in range(max(1, a.ttft_batch))]
+
     def warm_up(self, run: ModeRun) -> None:
-        body = completion_body(self.a.model, make_prompt_text(32, seed=99), 2)
-        r = stream_completion(run.url, body, self.a.request_timeout)
+        """A 32-token request (NIXL's handshake, D's peer and wire), then, unless
+        ``--no-long-warm-up``, the long prompts of :meth:`warm_up_prompts` at once."""
+        a = self.a
+        body = completion_body(a.model, make_prompt_text(32, seed=99), 2)
+        r = stream_completion(run.url, body, a.request_timeout)
         if not r["ok"]:
             log(f"{run.mode.name}: warm-up request failed: {r['error']}")
+        if not a.long_warm_up:
+            return
+        prompts = self.warm_up_prompts()
+        t0 = time.monotonic()
+        done = run_load(run.url, a.model, prompts, 2, len(prompts), a.request_timeout)
+        failed = [r["error"] for r in done if not r["ok"]]
+        log(f"{run.mode.name}: long warm-up, {len(prompts)} x {prompts[0].num_tokens} tokens: "
+            f"{len(prompts) - len(failed)} ok in {time.monotonic() - t0:.1f} s"
+            + (f"; first failure: {failed[0]}" if failed else ""))
 
     def single_repeat(self, run: ModeRun, index: int) -> dict:
         """One pass of the load through one instance without PD (no aborts, no kills: they
@@ -1059,6 +1089,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ttft-batch", type=int, default=0,
                     help="also N concurrent --ttft-prompt-tokens prompts per mode (0: off)")
     ap.add_argument("--ttft-prompt-tokens", type=int, default=3000)
+    ap.add_argument("--long-warm-up", action=argparse.BooleanOptionalAction, default=True,
+                    help="warm every instance up with long prompts too (the TTFT batch's "
+                         "shape, or one of the load's longest length) before measuring, so "
+                         "that no kernel compiled at first use lands in a measurement")
     ap.add_argument("--ucx-fault-lib", default=None,
                     help="LD_PRELOAD this UCX fault injector (libucx_fault_injector.so), or "
                          "'kvpd': experiments/ucx_fault's own, built for the run (or its "
@@ -1241,7 +1275,9 @@ def main(argv=None) -> int:
     if a.trace:
         try:
             import trace_timeline
+            import critical_path
             text = trace_timeline.render(trace_timeline.summarize(h.logs))
+            text += "\n" + critical_path.render(critical_path.summarize(h.out))
             with open(os.path.join(h.out, "timeline.txt"), "w", encoding="utf-8") as f:
                 f.write(text)
             doc["timeline"] = text

@@ -144,6 +144,44 @@ def test_a_kvcached_setting_reaches_kvcached_instances_only(tmp_path, monkeypatc
         assert words in capsys.readouterr().err
 
 
+def test_the_warm_up_sends_the_ttft_batchs_shape_before_any_measurement(tmp_path,
+                                                                        monkeypatch):
+    """Every instance is warmed up with long prompts too (kernels compiled at first use
+    must not land in the TTFT batch or the load): as many at once as the TTFT batch, of
+    the run's longest length, on seeds no measured prompt has; one of the load's longest
+    without a TTFT batch; only the short request with --no-long-warm-up."""
+    sent = []
+    monkeypatch.setattr(pd_load, "stream_completion",
+                        lambda url, body, timeout, *x, **k: sent.append(("one", body)) or
+                        {"ok": True})
+    monkeypatch.setattr(pd_load, "run_load",
+                        lambda url, model, prompts, max_tokens, conc, timeout, *x, **k:
+                        sent.append(("load", prompts, conc)) or
+                        [{"ok": True} for _ in prompts])
+    run = pd_load.ModeRun(pd_modes.load_modes(["vanilla"])[0])
+
+    def warm(*extra):
+        sent.clear()
+        a = pd_load.parse_args(["--out", str(tmp_path), "--model", str(tmp_path),
+                                "--no-environment", "--requests", "12", *extra])
+        h = pd_load.LoadHarness(a)
+        h.warm_up(run)
+        return h, list(sent)
+
+    h, calls = warm("--ttft-batch", "8", "--ttft-prompt-tokens", "3000")
+    assert [c[0] for c in calls] == ["one", "load"]
+    _, prompts, conc = calls[1]
+    longest = max([p.num_tokens for p in h.prompts] + [3000])
+    assert conc == len(prompts) == 8 and {p.num_tokens for p in prompts} == {longest}
+    measured = {p.text for p in h.prompts} | {p.text for p in h.ttft_prompts}
+    assert not any(p.text[:12] == m[:12] for p in prompts for m in measured)
+    _, calls = warm()
+    assert [c[0] for c in calls] == ["one", "load"] and len(calls[1][1]) == 1
+    assert calls[1][1][0].num_tokens == max(p.num_tokens for p in h.prompts)
+    _, calls = warm("--ttft-batch", "8", "--no-long-warm-up")
+    assert [c[0] for c in calls] == ["one"]
+
+
 def test_load_prompts_are_mixed_and_deterministic():
     prompts = pd_common.load_prompts(64)
     assert [p.num_tokens for p in prompts] == [p.num_tokens for p in pd_common.load_prompts(64)]
@@ -357,7 +395,10 @@ def test_ucx_fault_injection_keeps_decode_alive_and_outputs_identical(tmp_path):
     lib.write_bytes(b"")  # ld.so ignores it; the fake emulates the injector
     res, summary, out = _run_load(tmp_path, "--modes", "kvpd-staged", "--ucx-fault-lib",
                                   str(lib), "--ucx-fault-every", "4",
-                                  "--abort-timeout-s", "1", "--repeats", "2")
+                                  "--abort-timeout-s", "1", "--repeats", "2",
+                                  # the injector counts fetches from the start: a long
+                                  # warm-up's fetch would move which repeat gets the 5th
+                                  "--no-long-warm-up")
     assert res.returncode == 0, res.stdout + res.stderr
     staged = summary["modes"]["kvpd-staged"]
     assert staged["verdict"] == "PASS", staged["reasons"]

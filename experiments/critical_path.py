@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Where a PD request's time to first token goes, against one instance's: the client's
+records joined to both instances' ``KVCACHED_PD_TRACE=1`` lines, request by request.
+
+usage: critical_path.py LOAD_OUT [--against kvcached-single] [--json OUT]
+
+LOAD_OUT is a ``pd_load.py --trace`` output folder (``modes/<mode>.json``: every request
+with its client-side start, TTFT and end; ``logs/<mode>-prefill.log`` and
+``-decode.log``). A client request is found in the traces by its ``X-Request-Id``
+(``load-<12 hex>-<index>``), which vLLM keeps inside its own request ids on P and D. The
+load's repeats only (not the TTFT batch, not the warm-up). Per request, one after the
+other on its way (milliseconds; the hosts' wall clock, one host):
+
+  to_p        client sent -> P's engine has the request (proxy, P's API server)
+  p_queue     P has it -> P schedules the step that completes its prompt (waits for P's
+              steps, and for staging room)
+  p_step      that step scheduled -> P hands the extent over (``p_finished``: the step's
+              forward and P's pack run, sampled, its output processed)
+  hop         P hands over -> D allocates the request's blocks (push: the claim's answer
+              and D's next scheduler pass; pull: P's response through the proxy, D's API
+              server, D's scheduler)
+  d_wait      D allocated -> D's worker unpacks (the step that schedules it starts)
+  d_out       D unpacks -> the client has the first token (D's forward with the
+              request's last prompt token, sampling, D's output path, the proxy)
+  ttft        the client's time to first token; tail: e2e - ttft (D's decode steps)
+  kvpd        kvcached-pd's own host time on that path: P's pack calls (one step's, for
+              all of its requests) + D's tag read + D's unpack calls; kvpd_gpu: the pack
+              kernels' device time (the unpack's is a metric, not a trace field)
+
+The summary prints each stage's median and, for one instance without PD (``--against``),
+its TTFT and tail: what PD adds is ``ttft`` minus one instance's, and ``kvpd`` is how
+much of it is kvcached-pd's transport. The stages are consecutive, so their medians sum
+to about the median TTFT (not exactly: medians of parts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+from statistics import median
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_timeline  # noqa: E402
+
+CLIENT_ID = re.compile(r"load-[0-9a-f]{12}-\d+")
+STAGES = ("to_p", "p_queue", "p_step", "hop", "d_wait", "d_out", "ttft", "tail", "kvpd",
+          "kvpd_gpu")
+
+
+def _by_client_id(events: list[dict]) -> dict[str, dict[str, dict]]:
+    """{client id: {event name: first such event}} for events naming a client request."""
+    out: dict[str, dict[str, dict]] = defaultdict(dict)
+    for ev in events:
+        for req in str(ev.get("req", "")).split(","):
+            m = CLIENT_ID.search(req)
+            if m:
+                out[m.group(0)].setdefault(ev["ev"], ev)
+    return out
+
+
+def _client_requests(mode_doc: dict) -> list[dict]:
+    return [r for rep in mode_doc.get("repeats", []) if rep.get("repeat", 0) > 0
+            for r in rep.get("requests", []) if r.get("ok") and r.get("ttft_s") is not None]
+
+
+def request_rows(mode_doc: dict, prefill: list[dict], decode: list[dict]) -> list[dict]:
+    """One row per completed load request of a PD mode, its stages where traced."""
+    p_ev, d_ev = _by_client_id(prefill), _by_client_id(decode)
+    rows = []
+    for r in _client_requests(mode_doc):
+        rid = r.get("request_id") or ""
+        start = r.get("started_at")
+        row: dict = {"ttft": 1e3 * r["ttft_s"], "tail": 1e3 * (r["e2e_s"] - r["ttft_s"])}
+        p, d = p_ev.get(rid, {}), d_ev.get(rid, {})
+        first_token = start + r["ttft_s"] if start is not None else None
+        admit, order, fin = p.get("p_admit"), p.get("pack_ordered"), p.get("p_finished")
+        alloc, done = d.get("d_alloc"), d.get("read_done")
+        p_arrival = (admit["t"] - admit["since_arrival_ms"] / 1e3
+                     if admit and admit.get("since_arrival_ms") is not None else None)
+        marks = [("to_p", start, p_arrival), ("p_queue", p_arrival, order and order["t"]),
+                 ("p_step", order and order["t"], fin and fin["t"]),
+                 ("hop", fin and fin["t"], alloc and alloc["t"]),
+                 ("d_wait", alloc and alloc["t"], done and done["t"]),
+                 ("d_out", done and done["t"], first_token)]
+        for name, a, b in marks:
+            if a is not None and b is not None:
+                row[name] = 1e3 * (b - a)
+        packed = p.get("packed")
+        if packed and done:
+            row["kvpd"] = (packed.get("host_ms") or 0) + (done.get("tag_ms") or 0) + \
+                (done.get("host_ms") or 0)
+            row["kvpd_gpu"] = packed.get("device_ms")
+        if p or d:
+            rows.append(row)
+    return rows
+
+
+def _medians(rows: list[dict]) -> dict:
+    out = {"n": len(rows)}
+    for s in STAGES:
+        vals = [r[s] for r in rows if r.get(s) is not None]
+        out[s] = round(median(vals), 3) if vals else None
+    return out
+
+
+def summarize(load_out: str, against: str = "kvcached-single") -> dict:
+    """{"modes": {mode: medians}, "against": {name, ttft, tail, n} or None}."""
+    events = trace_timeline.read_events(os.path.join(load_out, "logs"))
+    modes_dir = os.path.join(load_out, "modes")
+    out: dict = {"modes": {}, "against": None}
+    for name in sorted(os.listdir(modes_dir)) if os.path.isdir(modes_dir) else ():
+        if not name.endswith(".json"):
+            continue
+        mode = name[:-5]
+        with open(os.path.join(modes_dir, name), encoding="utf-8") as f:
+            doc = json.load(f)
+        if mode == against:
+            reqs = _client_requests(doc)
+            if reqs:
+                out["against"] = {"name": mode, **_medians(
+                    [{"ttft": 1e3 * r["ttft_s"], "tail": 1e3 * (r["e2e_s"] - r["ttft_s"])}
+                     for r in reqs])}
+            continue
+        roles = events.get(mode)
+        if not roles:
+            continue
+        rows = request_rows(doc, roles.get("prefill", []), roles.get("decode", []))
+        if rows:
+            out["modes"][mode] = _medians(rows)
+    return out
+
+
+def render(summary: dict) -> str:
+    if not summary["modes"]:
+        return "critical path: no traced PD requests (pd_load.py --trace?)\n"
+    hdr = f"{'mode':<16} {'n':>4} " + " ".join(f"{s:>8}" for s in STAGES) + f" {'+ttft':>8}"
+    lines = ["Where the time to first token goes, medians in ms (experiments/critical_path.py;"
+             " +ttft: over one instance's):", hdr, "-" * len(hdr)]
+    ref = summary["against"]
+    if ref:
+        cells = " ".join(f"{'-' if ref.get(s) is None else format(ref[s], '.1f'):>8}"
+                         for s in STAGES)
+        lines.append(f"{ref['name']:<16} {ref['n']:>4} {cells} {'':>8}")
+    for mode, m in summary["modes"].items():
+        cells = " ".join(f"{'-' if m[s] is None else format(m[s], '.1f'):>8}" for s in STAGES)
+        extra = (format(m["ttft"] - ref["ttft"], ".1f")
+                 if ref and m["ttft"] is not None and ref["ttft"] is not None else "-")
+        lines.append(f"{mode:<16} {m['n']:>4} {cells} {extra:>8}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("load_out")
+    ap.add_argument("--against", default="kvcached-single")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    summary = summarize(a.load_out, a.against)
+    print(render(summary), end="")
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

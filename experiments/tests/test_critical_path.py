@@ -1,0 +1,89 @@
+"""critical_path joins the client's records to both instances' trace lines, request by
+request, and splits the time to first token into consecutive stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import critical_path  # noqa: E402
+from test_trace_timeline import write_log  # noqa: E402
+
+CID = "load-0123456789ab-7"
+OTHER = "load-fedcba987654-8"
+
+
+def _mode(path, requests):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"repeats": [
+        {"repeat": 0, "requests": [dict(requests[0], ttft_s=9.0, e2e_s=9.5)]},  # not a load repeat
+        {"repeat": 1, "requests": requests}]}))
+
+
+def _load_out(tmp_path, monkeypatch, d_alloc_t=100.050):
+    out = tmp_path / "load"
+    (out / "logs").mkdir(parents=True)
+    # client sent at 100.000; P has it at 100.004, orders its pack at 100.020, hands the
+    # extent over at 100.035; D allocates at d_alloc_t, unpacks 5 ms later; first token at
+    # 100.080 (ttft 80 ms), end at 100.130
+    write_log(out / "logs" / "kvpd-push-prefill.log", [
+        (100.010, "p_admit", f"cmpl-{CID}-0", {"bytes": 1, "since_arrival_ms": 6.0}),
+        (100.020, "pack_ordered", f"cmpl-{CID}-0", {"bytes": 1, "since_arrival_ms": 16.0}),
+        (100.030, "packed", f"cmpl-{OTHER}-0,cmpl-{CID}-0", {"device_ms": 0.4, "host_ms": 0.7}),
+        (100.035, "p_finished", f"cmpl-{CID}-0", {"bytes": 1}),
+    ], monkeypatch)
+    write_log(out / "logs" / "kvpd-push-decode.log", [
+        (d_alloc_t, "d_alloc", f"cmpl-{CID}-0", {"remote_req": CID, "tokens": 9,
+                                                  "since_arrival_ms": 49.0}),
+        (d_alloc_t + 0.005, "read_done", f"cmpl-{CID}-0", {"handoff_ms": 0.1, "host_ms": 0.2,
+                                                            "tag_ms": 0.3}),
+    ], monkeypatch)
+    _mode(out / "modes" / "kvpd-push.json", [
+        {"ok": True, "request_id": CID, "started_at": 100.000, "ttft_s": 0.080, "e2e_s": 0.130},
+        # failed requests and untraced ones are no rows
+        {"ok": False, "request_id": OTHER, "started_at": 100.0, "ttft_s": None, "e2e_s": None}])
+    _mode(out / "modes" / "kvcached-single.json", [
+        {"ok": True, "request_id": "load-aaaaaaaaaaaa-1", "started_at": 1.0, "ttft_s": 0.050,
+         "e2e_s": 0.100},
+        {"ok": True, "request_id": "load-aaaaaaaaaaaa-2", "started_at": 1.0, "ttft_s": 0.060,
+         "e2e_s": 0.120}])
+    return out
+
+
+def test_the_stages_are_consecutive_and_sum_to_the_clients_ttft(tmp_path, monkeypatch):
+    summary = critical_path.summarize(str(_load_out(tmp_path, monkeypatch)))
+    m = summary["modes"]["kvpd-push"]
+    assert m["n"] == 1
+    want = {"to_p": 4.0, "p_queue": 16.0, "p_step": 15.0, "hop": 15.0, "d_wait": 5.0,
+            "d_out": 25.0, "ttft": 80.0, "tail": 50.0, "kvpd": 1.2, "kvpd_gpu": 0.4}
+    for stage, ms in want.items():
+        assert m[stage] == pytest.approx(ms, abs=1e-3), stage
+    assert sum(m[s] for s in ("to_p", "p_queue", "p_step", "hop", "d_wait", "d_out")) == \
+        pytest.approx(m["ttft"], abs=1e-3)
+    ref = summary["against"]
+    assert ref["name"] == "kvcached-single" and ref["n"] == 2
+    assert ref["ttft"] == pytest.approx(55.0) and ref["tail"] == pytest.approx(55.0)
+    text = critical_path.render(summary)
+    assert "kvpd-push" in text and "25.0" in text.splitlines()[-1]  # +ttft: 80 - 55
+
+
+def test_a_stage_follows_its_events(tmp_path, monkeypatch):
+    """D allocating 10 ms later: those 10 ms are the hop's, and d_out keeps what is left
+    of the client's TTFT."""
+    m = critical_path.summarize(str(_load_out(tmp_path, monkeypatch, 100.060)))["modes"][
+        "kvpd-push"]
+    assert m["hop"] == pytest.approx(25.0) and m["d_out"] == pytest.approx(15.0)
+
+
+def test_no_traces_is_said_not_rendered_as_zeros(tmp_path):
+    (tmp_path / "logs").mkdir()
+    summary = critical_path.summarize(str(tmp_path))
+    assert summary == {"modes": {}, "against": None}
+    assert "no traced PD requests" in critical_path.render(summary)
