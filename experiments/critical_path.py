@@ -18,7 +18,8 @@ other on its way (milliseconds; the hosts' wall clock, one host):
               forward and P's pack run, sampled, its output processed)
   hop         P hands over -> D allocates the request's blocks (push: the claim's answer
               and D's next scheduler pass; pull: P's response through the proxy, D's API
-              server, D's scheduler)
+              server, D's scheduler); answer: its first part in push mode, P hands over ->
+              D's scheduler holds the answer (P's listener thread, D's claim thread)
   d_wait      D allocated -> D's worker unpacks (the step that schedules it starts)
   d_out       D unpacks -> the client has the first token (D's forward with the
               request's last prompt token, sampling, D's output path, the proxy)
@@ -47,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_timeline  # noqa: E402
 
 CLIENT_ID = re.compile(r"load-[0-9a-f]{12}-\d+")
-STAGES = ("to_p", "p_queue", "p_step", "hop", "d_wait", "d_out", "ttft", "tail", "kvpd",
-          "kvpd_gpu")
+STAGES = ("to_p", "p_queue", "p_step", "hop", "answer", "d_wait", "d_out", "ttft", "tail",
+          "kvpd", "kvpd_gpu")
 
 
 def _by_client_id(events: list[dict]) -> dict[str, dict[str, dict]]:
@@ -89,6 +90,9 @@ def request_rows(mode_doc: dict, prefill: list[dict], decode: list[dict]) -> lis
         for name, a, b in marks:
             if a is not None and b is not None:
                 row[name] = 1e3 * (b - a)
+        answered = d.get("claim_answered")
+        if fin and answered:
+            row["answer"] = 1e3 * (answered["t"] - fin["t"])
         packed = p.get("packed")
         if packed and done:
             row["kvpd"] = (packed.get("host_ms") or 0) + (done.get("tag_ms") or 0) + \
@@ -111,7 +115,7 @@ def summarize(load_out: str, against: str = "kvcached-single") -> dict:
     """{"modes": {mode: medians}, "against": {name, ttft, tail, n} or None}."""
     events = trace_timeline.read_events(os.path.join(load_out, "logs"))
     modes_dir = os.path.join(load_out, "modes")
-    out: dict = {"modes": {}, "against": None}
+    out: dict = {"modes": {}, "against": None, "steps": step_periods(events)}
     for name in sorted(os.listdir(modes_dir)) if os.path.isdir(modes_dir) else ():
         if not name.endswith(".json"):
             continue
@@ -134,6 +138,20 @@ def summarize(load_out: str, against: str = "kvcached-single") -> dict:
     return out
 
 
+def step_periods(events: dict[str, dict[str, list[dict]]]) -> dict[str, dict]:
+    """{"mode role": {n, p50, p90}}: each instance's engine step period (trace ``step``:
+    scheduling to the next scheduling), in ms; periods over 1 s are idle, not steps."""
+    out = {}
+    for mode, roles in sorted(events.items()):
+        for role, evs in sorted(roles.items()):
+            vals = sorted(e["until_next_ms"] for e in evs if e.get("ev") == "step"
+                          and e.get("until_next_ms") is not None and e["until_next_ms"] < 1e3)
+            if vals:
+                out[f"{mode} {role}"] = {"n": len(vals), "p50": round(median(vals), 2),
+                                         "p90": round(vals[int(0.9 * (len(vals) - 1))], 2)}
+    return out
+
+
 def render(summary: dict) -> str:
     if not summary["modes"]:
         return "critical path: no traced PD requests (pd_load.py --trace?)\n"
@@ -150,6 +168,10 @@ def render(summary: dict) -> str:
         extra = (format(m["ttft"] - ref["ttft"], ".1f")
                  if ref and m["ttft"] is not None and ref["ttft"] is not None else "-")
         lines.append(f"{mode:<16} {m['n']:>4} {cells} {extra:>8}")
+    if summary.get("steps"):
+        lines.append("engine step periods, ms (p50 / p90, n): " + "; ".join(
+            f"{k} {v['p50']:.1f} / {v['p90']:.1f} ({v['n']})"
+            for k, v in summary["steps"].items()))
     return "\n".join(lines) + "\n"
 
 

@@ -12,7 +12,9 @@
 #        UCX faults on D:                  traffic.sh OUT --ucx-fault-lib kvpd --ucx-fault-every 8
 #          (kvpd: experiments/ucx_fault's injector, built here or prebuilt; or a path to
 #          vLLM's libucx_fault_injector.so)
-#   WORK (TRAFFIC_WORK, default /tmp/kvpd-load/<time>) gets the full tree:
+#   WORK (TRAFFIC_WORK, default /tmp/kvpd-load/<time>-<pid>: two session lanes starting
+#     in the same second shared /tmp/kvpd-load/<time> on 2026-11-27, and their servers
+#     appended to each other's logs) gets the full tree:
 #     load/  summary.txt, summary.json, latency.csv, modes/*.json, logs/, environment.json
 #     traffic.log  everything printed
 #   OUT gets it packed (pack_results.sh: at most 8 files): results.tar.gz (all of WORK),
@@ -25,7 +27,7 @@
 set -uo pipefail
 OUT=${1:?usage: traffic.sh OUT [pd_load.py options]}
 shift
-WORK=${TRAFFIC_WORK:-/tmp/kvpd-load/$(date +%Y%m%d-%H%M%S)}
+WORK=${TRAFFIC_WORK:-/tmp/kvpd-load/$(date +%Y%m%d-%H%M%S)-$$}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
 PY=${PYTHON:-python3}

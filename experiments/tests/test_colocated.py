@@ -601,3 +601,33 @@ def test_two_parts_started_in_the_same_second_work_in_folders_of_their_own(tmp_p
                     if line.startswith("DRY:") and "traffic.sh" in line)
         folders.append(os.path.dirname(_after(argv, "traffic.sh")[0]))
     assert folders[0] != folders[1]
+
+
+def test_two_traffic_runs_started_in_the_same_second_get_work_trees_of_their_own(tmp_path):
+    """traffic.sh's default WORK: on 2026-11-27 two session lanes started in the same
+    second and shared /tmp/kvpd-load/<time>; their servers appended to each other's logs
+    (the traces, the step periods) and their results were packed from one tree."""
+    for name in ("tiny", "kvbig"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    stub = tmp_path / "stub.py"  # stands for pd_load.py: says where it writes
+    stub.write_text("import sys; print('OUT', sys.argv[sys.argv.index('--out') + 1])\n")
+    py = tmp_path / "py"
+    py.write_text(f"#!/bin/sh\nexec {sys.executable} {stub} \"$@\"\n")
+    py.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(py), TINY_MODEL=str(tmp_path / "tiny"),
+               KVBIG_MODEL=str(tmp_path / "kvbig"), PATH="/usr/bin:/bin")
+    env.pop("TRAFFIC_WORK", None)
+    procs = [subprocess.Popen(["bash", os.path.join(EXP, "traffic.sh"), str(tmp_path / f"o{i}")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    works = []
+    for out in outs:
+        line = next(x for x in out.splitlines() if x.startswith("OUT "))
+        works.append(os.path.dirname(line.split()[1]))
+    assert works[0] != works[1], outs
+    for w in works:
+        assert w.startswith("/tmp/kvpd-load/") and os.path.isfile(os.path.join(w, "traffic.log"))
+    for w in works:
+        subprocess.run(["rm", "-rf", w], check=False)

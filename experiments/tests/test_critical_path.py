@@ -38,8 +38,12 @@ def _load_out(tmp_path, monkeypatch, d_alloc_t=100.050):
         (100.020, "pack_ordered", f"cmpl-{CID}-0", {"bytes": 1, "since_arrival_ms": 16.0}),
         (100.030, "packed", f"cmpl-{OTHER}-0,cmpl-{CID}-0", {"device_ms": 0.4, "host_ms": 0.7}),
         (100.035, "p_finished", f"cmpl-{CID}-0", {"bytes": 1}),
+        (100.036, "step", "", {"start": 100.019, "until_next_ms": 17.0, "tokens": 9, "reqs": 1}),
+        (100.037, "step", "", {"start": 100.036, "until_next_ms": 5000.0, "tokens": 9,
+                               "reqs": 1}),  # idle after the last step: not a period
     ], monkeypatch)
     write_log(out / "logs" / "kvpd-push-decode.log", [
+        (100.038, "claim_answered", f"cmpl-{CID}-0-1f2e", {"by": "scheduler"}),
         (d_alloc_t, "d_alloc", f"cmpl-{CID}-0", {"remote_req": CID, "tokens": 9,
                                                   "since_arrival_ms": 49.0}),
         (d_alloc_t + 0.005, "read_done", f"cmpl-{CID}-0", {"handoff_ms": 0.1, "host_ms": 0.2,
@@ -62,7 +66,7 @@ def test_the_stages_are_consecutive_and_sum_to_the_clients_ttft(tmp_path, monkey
     m = summary["modes"]["kvpd-push"]
     assert m["n"] == 1
     want = {"to_p": 4.0, "p_queue": 16.0, "p_step": 15.0, "hop": 15.0, "d_wait": 5.0,
-            "d_out": 25.0, "ttft": 80.0, "tail": 50.0, "kvpd": 1.2, "kvpd_gpu": 0.4}
+            "d_out": 25.0, "answer": 3.0, "ttft": 80.0, "tail": 50.0, "kvpd": 1.2, "kvpd_gpu": 0.4}
     for stage, ms in want.items():
         assert m[stage] == pytest.approx(ms, abs=1e-3), stage
     assert sum(m[s] for s in ("to_p", "p_queue", "p_step", "hop", "d_wait", "d_out")) == \
@@ -70,8 +74,9 @@ def test_the_stages_are_consecutive_and_sum_to_the_clients_ttft(tmp_path, monkey
     ref = summary["against"]
     assert ref["name"] == "kvcached-single" and ref["n"] == 2
     assert ref["ttft"] == pytest.approx(55.0) and ref["tail"] == pytest.approx(55.0)
+    assert summary["steps"] == {"kvpd-push prefill": {"n": 1, "p50": 17.0, "p90": 17.0}}
     text = critical_path.render(summary)
-    assert "kvpd-push" in text and "25.0" in text.splitlines()[-1]  # +ttft: 80 - 55
+    assert "kvpd-push" in text and text.splitlines()[-2].endswith("25.0")  # +ttft: 80 - 55
 
 
 def test_a_stage_follows_its_events(tmp_path, monkeypatch):
@@ -85,5 +90,5 @@ def test_a_stage_follows_its_events(tmp_path, monkeypatch):
 def test_no_traces_is_said_not_rendered_as_zeros(tmp_path):
     (tmp_path / "logs").mkdir()
     summary = critical_path.summarize(str(tmp_path))
-    assert summary == {"modes": {}, "against": None}
+    assert summary == {"modes": {}, "against": None, "steps": {}}
     assert "no traced PD requests" in critical_path.render(summary)
