@@ -1,0 +1,24 @@
+"""bench_claim_latency runs kvcached-pd's real claim board, listener and client in two
+processes and reports every claim answered (its timings are the bench's, not asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+EXP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def test_every_claim_is_answered_in_each_mode(tmp_path):
+    out = tmp_path / "claims.json"
+    res = subprocess.run([sys.executable, os.path.join(EXP, "bench_claim_latency.py"),
+                          "--requests", "6", "--busy-ms", "2", "--switch-ms", "5",
+                          "--json", str(out)], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["mode"], r["switch_ms"], r["n"]) for r in rows] == [("idle", 5.0, 6),
+                                                                   ("busy", 5.0, 6)]
+    assert all(0 < r["p50_ms"] <= r["p90_ms"] <= r["max_ms"] for r in rows)
+    assert "busy  switch  5.0 ms: publish -> take p50" in res.stdout
