@@ -14,11 +14,12 @@ EXP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 def test_every_claim_is_answered_in_each_mode(tmp_path):
     out = tmp_path / "claims.json"
     res = subprocess.run([sys.executable, os.path.join(EXP, "bench_claim_latency.py"),
-                          "--requests", "6", "--busy-ms", "2", "--switch-ms", "5",
-                          "--json", str(out)], capture_output=True, text=True, timeout=240)
+                          "--requests", "6", "--p-step", "3,2", "--d-step", "1,1",
+                          "--switch-ms", "5", "--d-client", "thread", "--json", str(out)],
+                         capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = json.loads(out.read_text())
-    assert [(r["mode"], r["switch_ms"], r["n"]) for r in rows] == [("idle", 5.0, 6),
-                                                                   ("busy", 5.0, 6)]
+    assert [(r["client"], r["mode"], r["switch_ms"], r["n"]) for r in rows] == [
+        ("thread", "idle", 5.0, 6), ("thread", "busy", 5.0, 6)]
     assert all(0 < r["p50_ms"] <= r["p90_ms"] <= r["max_ms"] for r in rows)
-    assert "busy  switch  5.0 ms: publish -> take p50" in res.stdout
+    assert "thread busy  switch  5.0 ms: publish -> take p50" in res.stdout
