@@ -60,7 +60,7 @@ def _wait(ms: float, busy: bool) -> None:
         time.sleep(ms / 1e3)
 
 
-def prefill_side(port_q, go, n: int, busy: bool, step: tuple[float, float],
+def prefill_side(port_q, go, done, n: int, busy: bool, step: tuple[float, float],
                  switch_s: float, out_q) -> None:
     """P's engine, step after step: ``step[0]`` ms blocked (the GPU's step: the GIL is
     free), then ``step[1]`` ms of Python (its output processed, a request published at a
@@ -81,7 +81,7 @@ def prefill_side(port_q, go, n: int, busy: bool, step: tuple[float, float],
     i = 0
     board.expect(f"cmpl-bench-{i}-0")
     try:
-        while i < n and time.monotonic() < deadline:
+        while i < n and time.monotonic() < deadline and not done.is_set():
             time.sleep(gpu_ms / 1e3)
             before = rng.uniform(0, py_ms / 2)
             _wait(before, busy)
@@ -100,7 +100,7 @@ def prefill_side(port_q, go, n: int, busy: bool, step: tuple[float, float],
         board.close()
 
 
-def decode_side(port: int, go, n: int, busy: bool, step: tuple[float, float],
+def decode_side(port: int, go, done, n: int, busy: bool, step: tuple[float, float],
                 switch_s: float, out_q, threaded: bool = True) -> None:
     """D's engine, step after step: ``step[0]`` ms blocked, ``step[1]`` ms of Python with
     one ``take()`` (the scheduler asking for the waiting request) at a random point. The
@@ -118,6 +118,7 @@ def decode_side(port: int, go, n: int, busy: bool, step: tuple[float, float],
     except TypeError:  # a tree whose client has only its thread
         if not threaded:
             out_q.put({})
+            done.set()
             raise SystemExit("this tree's ClaimClient has only its thread: no --d-client polled")
         client = ClaimClient(timeout_s=5.0)
     gpu_ms, py_ms = step
@@ -143,19 +144,21 @@ def decode_side(port: int, go, n: int, busy: bool, step: tuple[float, float],
                 i, claimed_at = i + 1, None
         out_q.put(seen)
     finally:
+        done.set()  # P stops waiting for claims that will not come
         client.close()
 
 
 def run(n: int, busy: bool, p_step: tuple[float, float], d_step: tuple[float, float],
         switch_s: float, threaded: bool = True) -> dict:
     ctx = mp.get_context("spawn")
-    port_q, out_p, out_d, go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
+    port_q, out_p, out_d = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    go, done = ctx.Event(), ctx.Event()
     p = ctx.Process(target=prefill_side,
-                    args=(port_q, go, n, busy, p_step, switch_s, out_p))
+                    args=(port_q, go, done, n, busy, p_step, switch_s, out_p))
     p.start()
     port = port_q.get(timeout=30)
     d = ctx.Process(target=decode_side,
-                    args=(port, go, n, busy, d_step, switch_s, out_d, threaded))
+                    args=(port, go, done, n, busy, d_step, switch_s, out_d, threaded))
     d.start()
     try:
         published, seen = out_p.get(timeout=120), out_d.get(timeout=120)
