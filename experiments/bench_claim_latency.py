@@ -24,9 +24,9 @@ step). D claims each request before P publishes it (the concurrent legs' order: 
 claim is held at P until published). Reported: publish (P's clock) to D's ``take()``
 returning the answer (D's clock; one host), p50 / p90 / max, per mode, switch interval
 (both processes), D's client (``thread``: the claim thread files replies for ``take``, as
-D's workers use it; ``polled``: ``ClaimClient(threaded=False)``, ``take`` reads the
-socket itself, as D's scheduler uses it; a tree without it says so). D's own step bounds
-the answer from below by up to one step in every mode: compare the modes.
+D uses it here; ``polled``: ``ClaimClient(threaded=False)``, ``take`` reads the socket
+itself, on a tree whose client can go without its thread; this one says it cannot). D's
+own step bounds the answer from below by up to one step in every mode: compare the modes.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ import time
 from statistics import median
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pd_common import percentile  # noqa: E402
 
 ENGINE = "bench-p"
 
@@ -113,14 +115,15 @@ def decode_side(port: int, go, done, n: int, busy: bool, step: tuple[float, floa
     from kvcached_pd.connector.wire import Claim
 
     rng = random.Random(2)
-    try:
-        client = ClaimClient(timeout_s=5.0, threaded=threaded)
-    except TypeError:  # a tree whose client has only its thread
-        if not threaded:
+    if threaded:
+        client = ClaimClient(timeout_s=5.0)
+    else:
+        try:
+            client = ClaimClient(timeout_s=5.0, threaded=False)
+        except TypeError:  # this tree's client has only its thread
             out_q.put({})
             done.set()
             raise SystemExit("this tree's ClaimClient has only its thread: no --d-client polled")
-        client = ClaimClient(timeout_s=5.0)
     gpu_ms, py_ms = step
     seen = {}
     i, claimed_at, told = 0, None, -1
@@ -173,7 +176,7 @@ def run(n: int, busy: bool, p_step: tuple[float, float], d_step: tuple[float, fl
     if not lat:
         return {"n": 0}
     return {"n": len(lat), "p50_ms": round(median(lat), 3),
-            "p90_ms": round(lat[int(0.9 * (len(lat) - 1))], 3), "max_ms": round(lat[-1], 3)}
+            "p90_ms": round(percentile(lat, 0.9), 3), "max_ms": round(lat[-1], 3)}
 
 
 def main(argv=None) -> int:

@@ -46,6 +46,7 @@ from statistics import median
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_timeline  # noqa: E402
+from pd_common import percentile  # noqa: E402
 
 CLIENT_ID = re.compile(r"load-[0-9a-f]{12}-\d+")
 STAGES = ("to_p", "p_queue", "p_step", "hop", "answer", "d_wait", "d_out", "ttft", "tail",
@@ -148,7 +149,7 @@ def step_periods(events: dict[str, dict[str, list[dict]]]) -> dict[str, dict]:
                           and e.get("until_next_ms") is not None and e["until_next_ms"] < 1e3)
             if vals:
                 out[f"{mode} {role}"] = {"n": len(vals), "p50": round(median(vals), 2),
-                                         "p90": round(vals[int(0.9 * (len(vals) - 1))], 2)}
+                                         "p90": round(percentile(vals, 0.9), 2)}
     return out
 
 
@@ -183,10 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     summary = summarize(a.load_out, a.against)
-    print(render(summary), end="")
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
+    trace_timeline.emit(render(summary), summary, a.json)
     return 0
 
 

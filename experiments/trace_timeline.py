@@ -151,16 +151,21 @@ def render(summary: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def emit(text: str, summary: object, json_path: str | None) -> None:
+    """A summarizing script's output: its table printed, its summary as JSON if asked."""
+    print(text, end="")
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("log_dir")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     summary = summarize(a.log_dir)
-    print(render(summary), end="")
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
+    emit(render(summary), summary, a.json)
     return 0
 
 
