@@ -28,6 +28,20 @@ other on its way (milliseconds; the hosts' wall clock, one host):
               all of its requests) + D's tag read + D's unpack calls; kvpd_gpu: the pack
               kernels' device time (the unpack's is a metric, not a trace field)
 
+With the proxy's ``--trace`` lines (``logs/<mode>-proxy.log``, ``pd_proxy trace {json}``)
+two of those stages are split where the proxy saw the request:
+
+  to_p      = to_proxy (client sent -> the proxy has the request)
+              + proxy_p (-> the proxy has sent P's leg; push: after connecting to D and
+                starting the prefill leg's thread)
+              + p_api (-> P's engine has it: P's API server)
+  d_out     = d_first (D unpacks -> the proxy reads D's first bytes: D's forward, output
+                path and API server)
+              + relay (-> the proxy has written them to the client)
+              + to_client (-> the client has the first token)
+  d_sent       the proxy has the request -> it has sent D's leg (push: D's leg goes at
+               once; pull: after P's answer)
+
 The summary prints each stage's median and, for one instance without PD (``--against``),
 its TTFT and tail: what PD adds is ``ttft`` minus one instance's, and ``kvpd`` is how
 much of it is kvcached-pd's transport. The stages are consecutive, so their medians sum
@@ -51,6 +65,28 @@ from pd_common import percentile  # noqa: E402
 CLIENT_ID = re.compile(r"load-[0-9a-f]{12}-\d+")
 STAGES = ("to_p", "p_queue", "p_step", "hop", "answer", "d_wait", "d_out", "ttft", "tail",
           "kvpd", "kvpd_gpu")
+PROXY_STAGES = ("to_proxy", "proxy_p", "p_api", "d_sent", "d_first", "relay", "to_client")
+PROXY_PREFIX = "pd_proxy trace "
+
+
+def read_proxy_marks(path: str) -> dict[str, dict]:
+    """{client request id: the proxy's wall-clock marks} from a proxy's log (``--trace``)."""
+    out: dict[str, dict] = {}
+    if not os.path.exists(path):
+        return out
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            i = line.find(PROXY_PREFIX)
+            if i < 0:
+                continue
+            try:
+                rec = json.loads(line[i + len(PROXY_PREFIX):])
+            except ValueError:
+                continue
+            m = CLIENT_ID.search(str(rec.get("req", "")))
+            if m:
+                out[m.group(0)] = rec
+    return out
 
 
 def _by_client_id(events: list[dict]) -> dict[str, dict[str, dict]]:
@@ -69,9 +105,11 @@ def _client_requests(mode_doc: dict) -> list[dict]:
             for r in rep.get("requests", []) if r.get("ok") and r.get("ttft_s") is not None]
 
 
-def request_rows(mode_doc: dict, prefill: list[dict], decode: list[dict]) -> list[dict]:
+def request_rows(mode_doc: dict, prefill: list[dict], decode: list[dict],
+                 proxy: dict[str, dict] | None = None) -> list[dict]:
     """One row per completed load request of a PD mode, its stages where traced."""
     p_ev, d_ev = _by_client_id(prefill), _by_client_id(decode)
+    proxy = proxy or {}
     rows = []
     for r in _client_requests(mode_doc):
         rid = r.get("request_id") or ""
@@ -88,6 +126,12 @@ def request_rows(mode_doc: dict, prefill: list[dict], decode: list[dict]) -> lis
                  ("hop", fin and fin["t"], alloc and alloc["t"]),
                  ("d_wait", alloc and alloc["t"], done and done["t"]),
                  ("d_out", done and done["t"], first_token)]
+        px = proxy.get(rid, {})
+        marks += [("to_proxy", start, px.get("recv")), ("proxy_p", px.get("recv"), px.get("p_sent")),
+                  ("p_api", px.get("p_sent"), p_arrival), ("d_sent", px.get("recv"), px.get("d_sent")),
+                  ("d_first", done and done["t"], px.get("d_first")),
+                  ("relay", px.get("d_first"), px.get("out_first")),
+                  ("to_client", px.get("out_first"), first_token)]
         for name, a, b in marks:
             if a is not None and b is not None:
                 row[name] = 1e3 * (b - a)
@@ -99,14 +143,14 @@ def request_rows(mode_doc: dict, prefill: list[dict], decode: list[dict]) -> lis
             row["kvpd"] = (packed.get("host_ms") or 0) + (done.get("tag_ms") or 0) + \
                 (done.get("host_ms") or 0)
             row["kvpd_gpu"] = packed.get("device_ms")
-        if p or d:
+        if p or d or px:
             rows.append(row)
     return rows
 
 
 def _medians(rows: list[dict]) -> dict:
     out = {"n": len(rows)}
-    for s in STAGES:
+    for s in STAGES + PROXY_STAGES:
         vals = [r[s] for r in rows if r.get(s) is not None]
         out[s] = round(median(vals), 3) if vals else None
     return out
@@ -133,7 +177,8 @@ def summarize(load_out: str, against: str = "kvcached-single") -> dict:
         roles = events.get(mode)
         if not roles:
             continue
-        rows = request_rows(doc, roles.get("prefill", []), roles.get("decode", []))
+        proxy = read_proxy_marks(os.path.join(load_out, "logs", f"{mode}-proxy.log"))
+        rows = request_rows(doc, roles.get("prefill", []), roles.get("decode", []), proxy)
         if rows:
             out["modes"][mode] = _medians(rows)
     return out
@@ -169,6 +214,15 @@ def render(summary: dict) -> str:
         extra = (format(m["ttft"] - ref["ttft"], ".1f")
                  if ref and m["ttft"] is not None and ref["ttft"] is not None else "-")
         lines.append(f"{mode:<16} {m['n']:>4} {cells} {extra:>8}")
+    split = {mode: m for mode, m in summary["modes"].items()
+             if any(m.get(s) is not None for s in PROXY_STAGES)}
+    if split:
+        hdr2 = f"{'mode':<16} " + " ".join(f"{s:>9}" for s in PROXY_STAGES)
+        lines += ["The proxy's marks (pd_proxy.py --trace): to_p = to_proxy + proxy_p + p_api, "
+                  "d_out = d_first + relay + to_client; medians in ms:", hdr2, "-" * len(hdr2)]
+        for mode, m in split.items():
+            lines.append(f"{mode:<16} " + " ".join(
+                f"{'-' if m.get(s) is None else format(m[s], '.1f'):>9}" for s in PROXY_STAGES))
     if summary.get("steps"):
         lines.append("engine step periods, ms (p50 / p90, n): " + "; ".join(
             f"{k} {v['p50']:.1f} / {v['p90']:.1f} ({v['n']})"

@@ -230,7 +230,7 @@ class LoadHarness:
                 port = self.proxy_ports.take()
                 cmd = [sys.executable, os.path.join(HERE, "pd_proxy.py"), "--port", str(port),
                        "--prefill", run.base("prefill"), "--decode", run.base("decode"),
-                       "--timeout", str(a.request_timeout)]
+                       "--timeout", str(a.request_timeout)] + (["--trace"] if a.trace else [])
                 if run.mode.connector == "NixlPushConnector" and a.push_concurrent:
                     p = run.ports["prefill"]
                     cmd += ["--push-concurrent", "--prefill-engine-id", p["engine_id"],

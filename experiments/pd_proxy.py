@@ -28,6 +28,13 @@ so vLLM (which aborts a request whose HTTP client disconnected) frees it instead
 finishing a prefill or a decode nobody reads, and no decode leg is sent afterwards. The
 counts by leg are in /healthz (client_gone_prefill, client_gone_decode).
 
+``--trace``: one line per request on stdout, ``pd_proxy trace {json}``, with the wall-clock
+times (``time.time()``, comparable with the instances' ``KVCACHED_PD_TRACE`` lines) at which
+the proxy had the client's request (``recv``), had sent P's leg (``p_sent``) and D's
+(``d_sent``), read D's first bytes (``d_first``) and had written them to the client
+(``out_first``): ``experiments/critical_path.py`` splits the way to P and D's way out
+with them.
+
 Standard library only (ThreadingHTTPServer + http.client): nothing to install.
 
 usage: pd_proxy.py --port 19100 --prefill http://127.0.0.1:18100 --decode http://127.0.0.1:18101
@@ -198,11 +205,13 @@ def push_decode_params(request_id: str, engine_id: str, host: str, port: int,
 
 class PDProxy:
     def __init__(self, prefill: str, decode: str, timeout: float = 600.0,
-                 push_concurrent: dict | None = None, json_timings: bool = True):
+                 push_concurrent: dict | None = None, json_timings: bool = True,
+                 trace: bool = False):
         self.prefill = Backend(prefill, timeout)
         self.decode = Backend(decode, timeout)
         self.push_concurrent = push_concurrent
         self.json_timings = json_timings
+        self.trace = trace
         self.lock = threading.Lock()
         self.stats = {"requests": 0, "ok": 0, "failed": 0, "client_gone_prefill": 0,
                       "client_gone_decode": 0}
@@ -213,13 +222,16 @@ class PDProxy:
 
     # ---- legs ------------------------------------------------------------------------
     def run_prefill(self, path: str, request: dict, headers: dict,
-                    watch: ClientWatch | None = None) -> tuple[dict, float]:
+                    watch: ClientWatch | None = None, marks: dict | None = None
+                    ) -> tuple[dict, float]:
         t0 = time.perf_counter()
         conn = self.prefill.connect()
         try:
             if watch is not None:
                 watch.check()  # gone before P saw anything: nothing to abort
             conn.request("POST", path, json.dumps(build_prefill_request(request)).encode(), headers)
+            if marks is not None:
+                marks["p_sent"] = time.time()
             # Watched only once P has the request: a cut must never leave it half-sent.
             if watch is not None and not watch.attach(conn, "prefill"):
                 _shutdown(conn, socket.SHUT_WR)  # P gets the request and the disconnect
@@ -262,6 +274,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "kvcached-pd-proxy/1"
     proxy: PDProxy  # set on the subclass by make_server
     watch: ClientWatch | None = None  # the current request's client watcher
+    marks: dict | None = None  # --trace: the current request's wall-clock marks
 
     def log_message(self, fmt, *args):  # quiet access log; errors are logged explicitly
         pass
@@ -309,6 +322,7 @@ class Handler(BaseHTTPRequestHandler):
             conn.close()
 
     def do_POST(self):
+        recv = time.time()  # the request line and headers are read: --trace's "recv"
         if self.path not in ("/v1/completions", "/v1/chat/completions"):
             self._send(404, b'{"error":"not found"}')
             return
@@ -321,6 +335,7 @@ class Handler(BaseHTTPRequestHandler):
         with p.lock:
             p.stats["requests"] += 1
         request_id = self.headers.get("X-Request-Id") or uuid.uuid4().hex
+        self.marks = {"recv": recv} if p.trace else None
         watch = ClientWatch(self.connection)
         try:
             ok = self._handle_pd(self.path, request, request_id, watch)
@@ -328,6 +343,10 @@ class Handler(BaseHTTPRequestHandler):
             watch.close()
         with p.lock:
             p.stats["ok" if ok else "failed"] += 1
+            if self.marks is not None:
+                print("pd_proxy trace " + json.dumps(
+                    {"req": request_id, "ok": ok,
+                     **{k: round(v, 6) for k, v in self.marks.items()}}), flush=True)
 
     def _handle_pd(self, path: str, request: dict, request_id: str,
                    watch: ClientWatch | None = None) -> bool:
@@ -339,7 +358,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if p.push_concurrent:
                 return self._push_concurrent(path, request, headers, timings, t0)
-            prefill_json, prefill_s = p.run_prefill(path, request, headers, watch)
+            prefill_json, prefill_s = p.run_prefill(path, request, headers, watch, self.marks)
             timings["prefill_s"] = round(prefill_s, 6)
             kv_params = prefill_json.get("kv_transfer_params")
             if not kv_params:
@@ -382,7 +401,8 @@ class Handler(BaseHTTPRequestHandler):
 
         def prefill_thread():
             try:
-                _, outcome["prefill_s"] = p.run_prefill(path, request, headers, self.watch)
+                _, outcome["prefill_s"] = p.run_prefill(path, request, headers, self.watch,
+                                                        self.marks)
             except (ProxyError, ClientGone) as exc:
                 outcome["error"] = exc
                 try:  # vLLM aborts a request whose client went away
@@ -416,6 +436,8 @@ class Handler(BaseHTTPRequestHandler):
 
         try:
             conn.request("POST", path, json.dumps(decode_request).encode(), headers)
+            if self.marks is not None:
+                self.marks["d_sent"] = time.time()
             if watch is not None and not watch.attach(conn, "decode"):
                 # The client left before D had the request, maybe right after P
                 # answered. P then holds the prompt's KV for D; without a decode leg it
@@ -496,6 +518,12 @@ class Handler(BaseHTTPRequestHandler):
             if first is None:
                 first = time.perf_counter()
                 timings["decode_first_byte_s"] = round(first - t_dec, 6)
+                if self.marks is not None:
+                    self.marks["d_first"] = time.time()
+                chunk(data)
+                if self.marks is not None:
+                    self.marks["out_first"] = time.time()
+                continue
             chunk(data)
         if self.watch is not None:
             self.watch.check()  # a cut D connection ends the stream early
@@ -545,6 +573,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="P's VLLM_NIXL_SIDE_CHANNEL_HOST (push-concurrent)")
     ap.add_argument("--prefill-side-channel-port", type=int,
                     help="P's VLLM_NIXL_SIDE_CHANNEL_PORT (push-concurrent)")
+    ap.add_argument("--trace", action="store_true",
+                    help="a line per request on stdout: when each leg was sent, D's first "
+                    "bytes read and relayed (wall clock)")
     ap.add_argument("--prefill-tp-size", type=int, default=1)
     ap.add_argument("--prefill-pp-size", type=int, default=1)
     a = ap.parse_args(argv)
@@ -560,7 +591,7 @@ def main(argv=None) -> None:
         push = {"engine_id": a.prefill_engine_id, "host": a.prefill_kv_host,
                 "port": a.prefill_side_channel_port, "tp_size": a.prefill_tp_size,
                 "pp_size": a.prefill_pp_size}
-    proxy = PDProxy(a.prefill, a.decode, a.timeout, push, not a.no_json_timings)
+    proxy = PDProxy(a.prefill, a.decode, a.timeout, push, not a.no_json_timings, a.trace)
     server = make_server(a.host, a.port, proxy)
     print(f"pd_proxy listening on http://{a.host}:{a.port} mode={proxy.mode} "
           f"prefill={a.prefill} decode={a.decode}", flush=True)

@@ -19,7 +19,10 @@
 #          KVCACHED_PD_TRACE=1 (--trace): the per-stage timeline of where the TTFT goes
 #          (results/2026-11-25-h100-colocated/where-the-time-goes.md had no trace of the load).
 #          COLO_B_MODELS (default "kvbig tiny"): the loads to run, in order (one alone gets
-#          the whole part); COLO_CUDA_GRAPHS=1 (parts a and b): vLLM's CUDA graphs in every
+#          the whole part); COLO_B_LOAD_MODES: their modes (default
+#          kvcached-single,vanilla,kvpd-staged,kvpd-push; e.g. kvcached-single,kvpd-push
+#          for an A/B of one mode against one instance: two servers fewer);
+#          COLO_CUDA_GRAPHS=1 (parts a and b): vLLM's CUDA graphs in every
 #          instance instead of --enforce-eager (below).
 #   PART c (~6 min): equivalence with D's prefix cache on, push legs sent at once: reference,
 #          vanilla, staged pull and push on kvcached's default (contiguous) layout and on
@@ -161,17 +164,18 @@ a)
   ;;
 b)
   read -r -a b_models <<< "${COLO_B_MODELS:-kvbig tiny}"
+  B_MODES=${COLO_B_LOAD_MODES:-kvcached-single,vanilla,kvpd-staged,kvpd-push}
   for m in "${b_models[@]}"; do
     case "$m" in
       kvbig)  # 11/20 of the part when tiny follows, all of it alone
         share=20; [ "${#b_models[@]}" -gt 1 ] && share=11
         traffic kvbig $(( $(left) * share / 20 - (share == 20 ? 25 : 0) )) --model "$KVBIG" \
-          --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
+          --modes "$B_MODES" \
           --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 --settle-s 20 \
           --expect-wire "$WIRE" --trace "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${GPU_ARGS[@]}" ;;
       tiny)
         traffic tiny $(( $(left) - 25 )) --model "$TINY" \
-          --modes kvcached-single,vanilla,kvpd-staged,kvpd-push \
+          --modes "$B_MODES" \
           --push-concurrent --repeats 3 --settle-s 20 --expect-wire "$WIRE" --trace \
           "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${GPU_ARGS[@]}" ;;
       *) echo "COLO_B_MODELS: unknown model '$m' (kvbig, tiny)" >&2; exit 2 ;;

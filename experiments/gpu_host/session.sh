@@ -55,6 +55,10 @@
 #     of the prompts that differed once (CHUNKS_KNOWN below).
 #   launch (not by default) bench_launch_paths.py on the lane's GPU: one pack's and one
 #     unpack's span per launch path (no vLLM; ~20 s).
+#   STEP.t-TREE (not by default) STEP run from the tree .gpu/trees/TREE (its package, its
+#     harnesses; carried to the host like the uploads), e.g. main's colo-h beside
+#     colo-h.t-polled for a package change measured on the same install. The trees are
+#     plain copies (no .git); `git archive BRANCH | tar -x -C .gpu/trees/NAME` makes one.
 # SESSION_PLAN replaces the plan: lanes separated by ';', each "NAME STEP..." (a lane named X
 # runs once the others are done), e.g. "T ab21 serve;C colo-b;X cross-a@033". A step named
 # STEP@TAG runs with the venv ${SESSION_VENV_ROOT:-/tmp}/vTAG first on PATH (another vLLM,
@@ -89,6 +93,7 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   # 293 s)
   [ -n "${SESSION_FAKE_STEPS:-}" ] && { echo 0; return; }
   local step=${1%@*}
+  step=${step%.t-*}
   case ${step%.mps} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
     cross-a|cross-n) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
@@ -129,6 +134,10 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
     echo "sleep $SESSION_FAKE_STEPS; echo $1 \$(command -v python3) > $w/summary.txt;" \
          "echo '${LANE_PORTS}gpu $LANE_GPU' > $w/lane.txt; echo \$COLO_BUDGET_S > $w/budget.txt;" \
          "[ $step != colo-d ]"
+    return
+  fi
+  if [[ "$step" == *.t-* ]]; then  # the step from another tree (.gpu/trees/TREE)
+    echo "cd .gpu/trees/${step##*.t-} && $(step_cmd "${step%.t-*}" "$w")"
     return
   fi
   if [[ "$step" == colo-*.mps ]]; then  # the step under an MPS server of its own

@@ -466,6 +466,10 @@ def test_cuda_graphs_and_the_loads_of_part_b_when_asked(tmp_path, models):
     # COLO_STAGING_MB reaches both loads (the harness strips the caller's KVCACHED_*)
     assert kvbig.staging_mb is None and tiny.staging_mb is None
     assert [a.staging_mb for a, _ in loads(COLO_STAGING_MB="6144")] == [6144, 6144]
+    # COLO_B_LOAD_MODES: the modes of both loads (every PD mode unless asked)
+    assert kvbig.modes == tiny.modes == ["kvcached-single", "vanilla", "kvpd-staged", "kvpd-push"]
+    assert [a.modes for a, _ in loads(COLO_B_LOAD_MODES="kvcached-single,kvpd-push")] == \
+        [["kvcached-single", "kvpd-push"]] * 2
     for graphs, want in (("0", False), ("1", True)):
         (argv,) = _dry_run(tmp_path, "a", COLO_CUDA_GRAPHS=graphs, **models)
         assert bench_transfer.parse_args(_after(argv, "bench_transfer.py")).cuda_graphs is want

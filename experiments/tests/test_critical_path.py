@@ -92,3 +92,31 @@ def test_no_traces_is_said_not_rendered_as_zeros(tmp_path):
     summary = critical_path.summarize(str(tmp_path))
     assert summary == {"modes": {}, "against": None, "steps": {}}
     assert "no traced PD requests" in critical_path.render(summary)
+
+
+def test_the_proxys_marks_split_the_way_to_p_and_ds_way_out(tmp_path, monkeypatch):
+    """pd_proxy.py --trace: the proxy had the request at 100.001, sent P's leg at 100.0025
+    and D's at 100.0015, read D's first bytes at 100.070 and relayed them at 100.071; the
+    parts sum to to_p (4 ms) and d_out (25 ms)."""
+    out = _load_out(tmp_path, monkeypatch)
+    (out / "logs" / "kvpd-push-proxy.log").write_text(
+        "pd_proxy listening on http://127.0.0.1:1 mode=push-concurrent\n"
+        "pd_proxy trace {not json\n"
+        + "pd_proxy trace " + json.dumps({"req": OTHER, "ok": False, "recv": 1.0}) + "\n"
+        + "pd_proxy trace " + json.dumps({"req": CID, "ok": True, "recv": 100.001,
+                                          "d_sent": 100.0015, "p_sent": 100.0025,
+                                          "d_first": 100.070, "out_first": 100.071}) + "\n")
+    summary = critical_path.summarize(str(out))
+    m = summary["modes"]["kvpd-push"]
+    want = {"to_proxy": 1.0, "proxy_p": 1.5, "p_api": 1.5, "d_sent": 0.5, "d_first": 15.0,
+            "relay": 1.0, "to_client": 9.0}
+    for stage, ms in want.items():
+        assert m[stage] == pytest.approx(ms, abs=1e-3), stage
+    assert m["to_proxy"] + m["proxy_p"] + m["p_api"] == pytest.approx(m["to_p"], abs=1e-3)
+    assert m["d_first"] + m["relay"] + m["to_client"] == pytest.approx(m["d_out"], abs=1e-3)
+    text = critical_path.render(summary)
+    assert "The proxy's marks" in text and text.splitlines()[-2].split()[1:] == \
+        ["1.0", "1.5", "1.5", "0.5", "15.0", "1.0", "9.0"]
+    # without the proxy's lines there is no such table
+    (out / "logs" / "kvpd-push-proxy.log").unlink()
+    assert "The proxy's marks" not in critical_path.render(critical_path.summarize(str(out)))

@@ -185,6 +185,49 @@ def test_proxy_streams_and_push_concurrent(pd_pair):
         server.shutdown()
 
 
+@pytest.mark.parametrize("push_mode", [False, True], ids=["sequential", "push-concurrent"])
+def test_proxy_trace_marks_each_leg_in_order(pd_pair, capsys, push_mode):
+    """--trace: one line per request with the wall-clock marks critical_path.py splits
+    the way to P and D's way out with, in the order the legs go."""
+    p, d = pd_pair(p_env={"FAKE_VLLM_PREFILL_MS_PER_KTOK": "4000"})  # P's leg: 0.32 s
+    push = {"engine_id": "engine-P", "host": "127.0.0.1", "port": p.side_port,
+            "tp_size": 1, "pp_size": 1} if push_mode else None
+    server, url = _serve_proxy(p, d, push_concurrent=push, trace=True)
+    try:
+        body = dict(pd_client.completion_request("fake-model", "abc " * 20, 4), stream=True)
+        t0 = time.time()
+        res = pd_common.post_json(url + "/v1/completions", body, timeout=30,
+                                  headers={"X-Request-Id": "load-0123456789ab-3"})
+        t1 = time.time()
+        assert res.ok, res.body
+    finally:
+        server.shutdown()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("pd_proxy trace ")]
+    assert len(lines) == 1
+    rec = json.loads(lines[0][len("pd_proxy trace "):])
+    assert rec["req"] == "load-0123456789ab-3" and rec["ok"] is True
+    assert t0 <= rec["recv"] <= rec["p_sent"] <= rec["d_first"] <= rec["out_first"] <= t1
+    assert rec["recv"] <= rec["d_sent"] <= rec["d_first"]
+    # sequential: D's leg only once P answered (0.32 s); push-concurrent: both at once
+    if push_mode:
+        assert abs(rec["d_sent"] - rec["p_sent"]) < 0.25
+    else:
+        assert rec["d_sent"] - rec["p_sent"] >= 0.3
+
+
+def test_proxy_without_trace_prints_no_marks(pd_pair, capsys):
+    p, d = pd_pair()
+    server, url = _serve_proxy(p, d)
+    try:
+        res = pd_common.post_json(url + "/v1/completions",
+                                  dict(pd_client.completion_request("fake-model", "x", 2),
+                                       stream=True), timeout=30)
+        assert res.ok
+    finally:
+        server.shutdown()
+    assert "pd_proxy trace" not in capsys.readouterr().out
+
+
 # ---- the whole equivalence harness -----------------------------------------------------
 
 

@@ -177,6 +177,27 @@ def test_the_cuda_graph_loads_run_part_b_with_graphs_one_model_each(tmp_path):
         assert lines[name].endswith(f"/work/{name.split()[1]} b")  # part b
 
 
+def test_a_step_named_for_a_tree_runs_from_that_tree(tmp_path):
+    """STEP.t-TREE: STEP's own command, run from .gpu/trees/TREE (a package change beside
+    the session's own tree on one install); the estimate is STEP's."""
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2",
+            SESSION_PLAN="T colo-h colo-h.t-polled;C colo-d.mps.t-polled")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(":")[0]: line.split(": ", 1)[1] for line in r.stdout.splitlines()}
+    own = lines["T colo-h"]
+    assert not own.startswith("cd ")
+    assert lines["T colo-h.t-polled"] == "cd .gpu/trees/polled && " + own.replace(
+        "/work/colo-h", "/work/colo-h.t-polled")
+    c = lines["C colo-d.mps.t-polled"]
+    assert c.startswith("cd .gpu/trees/polled && bash experiments/gpu_host/with_mps.sh ")
+    assert "KVPD_GPUS=\\'1\\ 1\\'" in c  # inside with_mps.sh's quoted command
+    # its estimate is its step's: a 30-second session runs neither
+    r = run(tmp_path, "start", "abc123", SESSION_GPUS="1", SESSION_SECONDS="30",
+            SESSION_PLAN="T colo-h.t-polled")
+    run(tmp_path, "wait", "30", str(tmp_path / "out"))
+    assert "estimate 240s" in steps(tmp_path)["colo-h.t-polled"]
+
+
 def test_cross_n_runs_part_a_across_the_gpus_with_d_seeing_its_own_gpu_alone(tmp_path):
     """cross-n: D cannot map P's staging, so the auto wire falls back to NIXL and D
     allocates its staging range at its first READ (the GPU run of that allocation)."""
