@@ -33,12 +33,13 @@ def wait_for(client: ClaimClient, req_id: str, timeout_s: float = 5.0):
     return got.get(req_id)
 
 
-@pytest.fixture
-def channel():
-    """P's board and listener on localhost, and D's claim client."""
+@pytest.fixture(params=[True, False], ids=["claim thread", "polled by the caller"])
+def channel(request):
+    """P's board and listener on localhost, and D's claim client: with its thread (D's
+    workers) and without one, polled by whoever takes (D's scheduler)."""
     board = ClaimBoard(ENGINE, keep_s=30.0)
     listener = HandshakeListener("127.0.0.1", 0, {0: b"hs"}, board)
-    client = ClaimClient(timeout_s=2.0)
+    client = ClaimClient(timeout_s=2.0, threaded=request.param)
     yield board, listener.port, client
     client.close()
     listener.close()
@@ -117,9 +118,10 @@ def test_a_cancelled_claim_files_nothing(channel):
     assert client.take() == {}
 
 
-def test_a_listener_without_claims_and_no_listener_at_all_fail_the_claim():
+@pytest.mark.parametrize("threaded", [True, False], ids=["claim thread", "polled"])
+def test_a_listener_without_claims_and_no_listener_at_all_fail_the_claim(threaded):
     listener = HandshakeListener("127.0.0.1", 0, {0: b"hs"})  # no board: answers ERR
-    client = ClaimClient(timeout_s=0.3)
+    client = ClaimClient(timeout_s=0.3, threaded=threaded)
     try:
         client.submit("d-4", "127.0.0.1", listener.port, claim("r5"))
         error = wait_for(client, "d-4")
@@ -388,12 +390,13 @@ def test_a_hostile_listener_fails_its_claim_and_not_the_claim_thread(channel, re
         close()
 
 
-def test_sockets_to_dead_targets_are_closed():
+@pytest.mark.parametrize("threaded", [True, False], ids=["claim thread", "polled"])
+def test_sockets_to_dead_targets_are_closed(threaded):
     """One DEALER per request-supplied host:port, never closed: 300 dead targets left
     297 live sockets."""
     import socket
 
-    client = ClaimClient(timeout_s=0.1)
+    client = ClaimClient(timeout_s=0.1, threaded=threaded)
     try:
         dead = []
         for _ in range(20):

@@ -421,7 +421,8 @@ class DecodeScheduler:
         now = time.monotonic()
         if req_id not in self.claiming and req_id not in self.claimed:
             if self.claims is None:
-                self.claims = ClaimClient(self.claim_timeout_s, self.secret)
+                # polled here, every step, not by a thread waiting for the GIL
+                self.claims = ClaimClient(self.claim_timeout_s, self.secret, threaded=False)
             self.claims.submit(req_id, claim.host, claim.port,
                                Claim(CLAIM_WIRE_VERSION, claim.key, claim.engine_id))
             self.claiming[req_id] = (claim, now, len(request.prompt_token_ids or ()))

@@ -264,11 +264,19 @@ class ClaimClient:
     untrusted: a reply that is no claim reply (or over :data:`MAX_REPLY_BYTES`, which
     ZMQ refuses) fails the claims waiting on that listener, never the thread. A socket
     is closed once no claim waits on it: at once after an error or a time-out (a dead
-    or hostile target), after :data:`IDLE_CLOSE_S` otherwise."""
+    or hostile target), after :data:`IDLE_CLOSE_S` otherwise.
+
+    ``threaded=False``: no thread; ``submit``, ``cancel`` and ``take`` do the socket work
+    themselves, without blocking, in the caller's thread (D's scheduler, which asks
+    every step while a claim is pending). Why: a reply that reaches a thread must wait
+    for the GIL of a process whose main thread runs vLLM's engine loop; CPython makes it
+    wait up to its switch interval (5 ms). ``experiments/bench_claim_latency.py``, both
+    main threads busy: 6.0 ms p50 from P's publishing to D's ``take`` with the thread."""
 
     IDLE_CLOSE_S = 30.0
 
-    def __init__(self, timeout_s: float = 5.0, secret: bytes | None = None) -> None:
+    def __init__(self, timeout_s: float = 5.0, secret: bytes | None = None,
+                 threaded: bool = True) -> None:
         self._timeout_s = timeout_s
         self._secret = secret
         self._lock = threading.Lock()
@@ -280,26 +288,49 @@ class ClaimClient:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvcached-pd-claims",
-                                        daemon=True)
-        self._thread.start()
+        # (host, port) -> key -> _Asked: one claim on the wire per key at a time; and
+        # when each socket last carried a claim. The thread's own, or the caller's.
+        self._asked: dict[tuple[str, int], dict[str, _Asked]] = {}
+        self._used: dict[tuple[str, int], float] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="kvcached-pd-claims",
+                                            daemon=True)
+            self._thread.start()
 
     def submit(self, req_id: str, host: str, port: int, claim: Claim) -> None:
         with self._lock:
             self._submitted.append((req_id, host, port, claim))
-        self._wake()
+        self._kick()
 
     def cancel(self, req_id: str) -> None:
         with self._lock:
             self._cancelled.add(req_id)
             self._results.pop(req_id, None)
-        self._wake()
+        self._kick()
 
     def take(self) -> dict[str, ClaimReply | Exception]:
         """Final replies (ready or gone) and errors since the last call, by request id."""
+        if self._thread is None:
+            self._pump()
         with self._lock:
             results, self._results = self._results, {}
         return results
+
+    def _kick(self) -> None:
+        if self._thread is None:
+            self._pump()
+        else:
+            self._wake()
+
+    def _pump(self) -> None:
+        """One non-blocking round of the socket work, in the caller's thread."""
+        try:
+            self._step(self._poller, self._asked, self._used, 0)
+        except Exception:  # noqa: BLE001 - a reply never fails the caller (vLLM's scheduler)
+            logger.exception("kvcached-pd: the claim client failed on one round; it goes on")
 
     def open_sockets(self) -> int:
         """How many listeners this client holds a connection to."""
@@ -312,26 +343,24 @@ class ClaimClient:
             pass
 
     def _run(self) -> None:
-        # (host, port) -> key -> _Asked: one claim on the wire per key at a time
-        asked: dict[tuple[str, int], dict[str, _Asked]] = {}
-        used: dict[tuple[str, int], float] = {}  # when each socket last carried a claim
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
-                    self._step(poller, asked, used)
+                    self._step(self._poller, self._asked, self._used, 50)
                 except Exception:  # noqa: BLE001 - a reply never stops D's claims
                     logger.exception("kvcached-pd: the claim thread failed on one step; "
                                      "it goes on")
         finally:
-            for sock in self._sockets.values():
-                sock.close(0)
-            self._sockets = {}
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(0)
+        self._sockets = {}
 
     def _step(self, poller: zmq.Poller, asked: dict[tuple[str, int], dict[str, "_Asked"]],
-              used: dict[tuple[str, int], float]) -> None:
-        events = dict(poller.poll(50))
+              used: dict[tuple[str, int], float], timeout_ms: int = 50) -> None:
+        events = dict(poller.poll(timeout_ms))
         if events.get(self._wake_r.fileno()):
             try:
                 while self._wake_r.recv(4096):
@@ -451,7 +480,10 @@ class ClaimClient:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        else:
+            self._close_sockets()
         self._wake_r.close()
         self._wake_w.close()
 
