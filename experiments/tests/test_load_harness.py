@@ -228,6 +228,7 @@ def pd_pair(tmp_path):
                                              str(tmp_path / f"{role}.log"),
                                              f"http://127.0.0.1:{port}/health")
             proc.start()
+            proc.side_port = side
             out.append(proc)
         procs.extend(out)
         pd_servers.wait_until_ready(out, 20, poll_s=0.1)
@@ -250,10 +251,16 @@ def _wait_for(fn, want, timeout=3.0):
     return fn()
 
 
-def test_proxy_cuts_the_upstream_leg_when_the_client_goes_away(pd_pair):
+@pytest.mark.parametrize("push_mode", [False, True], ids=["sequential", "push-concurrent"])
+def test_proxy_cuts_the_upstream_leg_when_the_client_goes_away(pd_pair, push_mode):
+    """Push-concurrent too: its watcher starts only once P's leg is sent (from the
+    handler's own thread), and still cuts P's leg when the client leaves during it."""
     p, d = pd_pair({"FAKE_VLLM_PREFILL_MS_PER_KTOK": "1500", "FAKE_VLLM_TOKEN_MS": "50"})
     port = _ports.take()
-    proxy = pd_proxy.PDProxy(p.health_url[:-len("/health")], d.health_url[:-len("/health")])
+    push = {"engine_id": "kv_producer", "host": "127.0.0.1", "port": p.side_port,
+            "tp_size": 1, "pp_size": 1} if push_mode else None
+    proxy = pd_proxy.PDProxy(p.health_url[:-len("/health")], d.health_url[:-len("/health")],
+                             push_concurrent=push)
     server = pd_proxy.make_server("127.0.0.1", port, proxy)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                      daemon=True).start()
@@ -271,7 +278,11 @@ def test_proxy_cuts_the_upstream_leg_when_the_client_goes_away(pd_pair):
         res = load_client.stream_completion(url, body, 30, abort_d_ms=75)
         assert res["aborted"] == "decode" and len(res["token_ids"]) < 8
         assert _wait_for(lambda: _aborts(d), 1) == 1  # D aborted the decode
-        assert proxy.stats["client_gone_prefill"] == 1 and proxy.stats["client_gone_decode"] == 1
+        if push_mode:  # both legs are upstream at once: the leg attached last is named
+            assert proxy.stats["client_gone_prefill"] + proxy.stats["client_gone_decode"] == 2
+        else:
+            assert proxy.stats["client_gone_prefill"] == 1
+            assert proxy.stats["client_gone_decode"] == 1
         # and a request nobody drops completes, with the reference's tokens
         res = load_client.stream_completion(url, body, 30)
         ref = load_client.stream_completion(p.health_url[:-len("/health")], body, 30)
