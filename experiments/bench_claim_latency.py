@@ -24,8 +24,8 @@ step). D claims each request before P publishes it (the concurrent legs' order: 
 claim is held at P until published). Reported: publish (P's clock) to D's ``take()``
 returning the answer (D's clock; one host), p50 / p90 / max, per mode, switch interval
 (both processes), D's client (``thread``: the claim thread files replies for ``take``, as
-D uses it here; ``polled``: ``ClaimClient(threaded=False)``, ``take`` reads the socket
-itself, on a tree whose client can go without its thread; this one says it cannot). D's
+D's workers use it; ``polled``: ``ClaimClient(threaded=False)``, ``take`` reads the socket
+itself, as D's scheduler does since 2026-11-28; a tree before that says it cannot). D's
 own step bounds the answer from below by up to one step in every mode: compare the modes.
 """
 
@@ -120,10 +120,10 @@ def decode_side(port: int, go, done, n: int, busy: bool, step: tuple[float, floa
     else:
         try:
             client = ClaimClient(timeout_s=5.0, threaded=False)
-        except TypeError:  # this tree's client has only its thread
+        except TypeError:  # a tree before 2026-11-28: its client has only its thread
             out_q.put({})
             done.set()
-            raise SystemExit("this tree's ClaimClient has only its thread: no --d-client polled")
+            raise SystemExit("that tree's ClaimClient has only its thread: no --d-client polled")
     gpu_ms, py_ms = step
     seen = {}
     i, claimed_at, told = 0, None, -1

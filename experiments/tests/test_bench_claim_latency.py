@@ -15,11 +15,14 @@ def test_every_claim_is_answered_in_each_mode(tmp_path):
     out = tmp_path / "claims.json"
     res = subprocess.run([sys.executable, os.path.join(EXP, "bench_claim_latency.py"),
                           "--requests", "6", "--p-step", "3,2", "--d-step", "1,1",
-                          "--switch-ms", "5", "--d-client", "thread", "--json", str(out)],
+                          "--switch-ms", "5", "--d-client", "thread,polled", "--json",
+                          str(out)],
                          capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = json.loads(out.read_text())
-    assert [(r["client"], r["mode"], r["switch_ms"], r["n"]) for r in rows] == [
-        ("thread", "idle", 5.0, 6), ("thread", "busy", 5.0, 6)]
+    # both of D's clients: the workers' (a thread) and the scheduler's (polled by take)
+    assert sorted((r["client"], r["mode"], r["switch_ms"], r["n"]) for r in rows) == [
+        ("polled", "busy", 5.0, 6), ("polled", "idle", 5.0, 6),
+        ("thread", "busy", 5.0, 6), ("thread", "idle", 5.0, 6)]
     assert all(0 < r["p50_ms"] <= r["p90_ms"] <= r["max_ms"] for r in rows)
     assert "thread busy  switch  5.0 ms: publish -> take p50" in res.stdout

@@ -271,7 +271,9 @@ class ClaimClient:
     every step while a claim is pending). Why: a reply that reaches a thread must wait
     for the GIL of a process whose main thread runs vLLM's engine loop; CPython makes it
     wait up to its switch interval (5 ms). ``experiments/bench_claim_latency.py``, both
-    main threads busy: 6.0 ms p50 from P's publishing to D's ``take`` with the thread."""
+    engines modelled busy: 3.4-3.5 ms p50 from P's publishing to D's ``take`` polled,
+    4.6-5.1 with the thread; P and D on one H100 under load (2026-11-28): 4.2 / 5.8 ms
+    polled against 5.2 / 7.5 with the thread, in neighbouring runs (p90 mixed)."""
 
     IDLE_CLOSE_S = 30.0
 
