@@ -469,3 +469,18 @@ def test_a_server_that_died_of_a_port_clash_at_its_start_is_started_once_more(tm
         assert "exited with code 1" in twice.failure
     finally:
         pd_servers.stop_all(procs, grace_s=3)
+
+
+def test_bench_proxy_measures_both_modes_of_each_proxy_given(tmp_path):
+    """bench_proxy.py: stub P and D, the proxy with --trace, every request's marks read
+    back (its timings are the bench's, not asserted)."""
+    res = subprocess.run([sys.executable, os.path.join(EXP, "bench_proxy.py"), "--requests",
+                          "8", "--concurrency", "4", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [ln.split() for ln in res.stdout.splitlines()]
+    rows = [r for r in rows if r and r[0].endswith("pd_proxy.py")]
+    assert [r[1] for r in rows] == ["sequential", "push-concurrent"]
+    for r in rows:  # three "p50 / p90" cells, each a number
+        cells = r[2:]
+        assert len(cells) == 9 and all(float(cells[i]) >= 0 for i in (0, 2, 3, 5, 6, 8))
