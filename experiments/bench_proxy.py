@@ -3,6 +3,7 @@
 ``pd_proxy.py --trace`` in front of them, a client sending N requests C at a time.
 
 usage: bench_proxy.py [--proxy FILE ...] [--requests 320] [--concurrency 16] [--repeats 3]
+                      [--port-base 16200]
 
 Why: on 2 x H100 (2026-11-28, tiny load, 16 requests at a time) the proxy's marks showed
 4.8-10 ms p50 from the proxy having a request to P's leg sent in push mode (both legs at
@@ -21,17 +22,20 @@ import argparse
 import http.client
 import json
 import os
-import socket
-import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from critical_path import read_proxy_marks  # noqa: E402
 from pd_common import percentile  # noqa: E402
+from pd_servers import ManagedProcess, PortAllocator, neutral_env, stop_all, \
+    wait_until_ready  # noqa: E402
 
 STUBS = textwrap.dedent('''
     import json, sys, time, threading
@@ -69,46 +73,38 @@ STUBS = textwrap.dedent('''
     for port, role in ((int(sys.argv[1]), "P"), (int(sys.argv[2]), "D")):
         s = ThreadingHTTPServer(("127.0.0.1", port), H); s.role = role; s.daemon_threads = True
         threading.Thread(target=s.serve_forever, daemon=True).start()
-    print("ready", flush=True)
     time.sleep(10 ** 6)
 ''')
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout_s: float = 15.0) -> None:
-    t_end = time.monotonic() + timeout_s
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1).read()
-            return
-        except OSError:
-            if time.monotonic() > t_end:
-                raise
-            time.sleep(0.05)
-
-
-def one_run(proxy_file: str, push: bool, n: int, conc: int, tag: str) -> dict:
-    p_port, d_port, x_port = free_port(), free_port(), free_port()
-    stubs = subprocess.Popen([sys.executable, "-c", STUBS, str(p_port), str(d_port)],
-                             stdout=subprocess.PIPE, text=True)
+def one_run(proxy_file: str, push: bool, n: int, conc: int, ports: PortAllocator,
+            logs: str) -> dict:
+    p_port, d_port, x_port = ports.take(), ports.take(), ports.take()
+    name = f"{len(os.listdir(logs))}-{'push' if push else 'seq'}"
+    stubs = ManagedProcess(f"{name}-stubs", [sys.executable, "-c", STUBS, str(p_port),
+                                             str(d_port)], neutral_env(),
+                           os.path.join(logs, f"{name}-stubs.log"),
+                           f"http://127.0.0.1:{d_port}/health")
     cmd = [sys.executable, proxy_file, "--port", str(x_port), "--trace",
            "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}"]
     if push:
         cmd += ["--push-concurrent", "--prefill-engine-id", "e",
                 "--prefill-side-channel-port", "5600"]
-    proxy = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=HERE)
+    proxy_log = os.path.join(logs, f"{name}-proxy.log")
+    proxy = ManagedProcess(f"{name}-proxy", cmd, neutral_env(), proxy_log,
+                           f"http://127.0.0.1:{x_port}/healthz")
     try:
-        stubs.stdout.readline()
-        wait_http(f"http://127.0.0.1:{x_port}/healthz")
+        stubs.start()
+        proxy.start()
+        wait_until_ready([stubs, proxy], 30.0, poll_s=0.05)
+        if stubs.state != "ready" or proxy.state != "ready":
+            raise SystemExit(f"bench_proxy: stubs {stubs.state}, proxy {proxy.state} "
+                             f"(logs in {logs})")
         sent: dict[str, float] = {}
+        run_id = uuid.uuid4().hex[:12]
 
         def one(i: int) -> None:
-            rid = f"load-{tag}{i:04d}"
+            rid = f"load-{run_id}-{i}"  # the load client's form: read_proxy_marks finds it
             body = json.dumps({"model": "m", "prompt": "x" * 8000, "max_tokens": 16,
                                "stream": True}).encode()
             c = http.client.HTTPConnection("127.0.0.1", x_port, timeout=30)
@@ -124,15 +120,8 @@ def one_run(proxy_file: str, push: bool, n: int, conc: int, tag: str) -> dict:
         arrivals = json.loads(urllib.request.urlopen(
             f"http://127.0.0.1:{p_port}/dump", timeout=5).read())
     finally:
-        proxy.terminate()
-        out, _ = proxy.communicate(timeout=10)
-        stubs.kill()
-        stubs.wait()
-    marks = {}
-    for line in out.splitlines():
-        if line.startswith("pd_proxy trace "):
-            rec = json.loads(line[len("pd_proxy trace "):])
-            marks[rec["req"]] = rec
+        stop_all([proxy, stubs], grace_s=3)
+    marks = read_proxy_marks(proxy_log)
     to_p = sorted(1e3 * (t - sent[rid]) for role, rid, t in arrivals
                   if role == "P" and rid in sent)
     proxy_p = sorted(1e3 * (m["p_sent"] - m["recv"]) for m in marks.values() if "p_sent" in m)
@@ -147,15 +136,19 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=320)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--port-base", type=int, default=16200,
+                    help="the stubs' and proxies' ports (below the ephemeral range)")
     a = ap.parse_args(argv)
     proxies = [os.path.abspath(p) for p in (a.proxy or [os.path.join(HERE, "pd_proxy.py")])]
+    ports = PortAllocator(a.port_base)
+    logs = tempfile.mkdtemp(prefix="bench-proxy-")
     print(f"# bench_proxy.py: {a.requests} requests, {a.concurrency} at a time, "
           f"{a.repeats} repeats interleaved, {os.cpu_count()} CPUs; ms p50 / p90")
     print(f"{'proxy':<28} {'mode':<16} {'to_proxy':>15} {'proxy_p':>15} {'to_p':>15}")
     for rep in range(a.repeats):
         for push in (False, True):
-            for i, pf in enumerate(proxies):
-                r = one_run(pf, push, a.requests, a.concurrency, f"{rep}{int(push)}{i}")
+            for pf in proxies:
+                r = one_run(pf, push, a.requests, a.concurrency, ports, logs)
                 cells = " ".join(f"{percentile(r[k], 0.5):6.2f} / {percentile(r[k], 0.9):5.2f}"
                                  for k in ("to_proxy", "proxy_p", "to_p"))
                 print(f"{os.path.relpath(pf)[-28:]:<28} "

@@ -268,7 +268,8 @@ class ClaimClient:
 
     ``threaded=False``: no thread; ``submit``, ``cancel`` and ``take`` do the socket work
     themselves, without blocking, in the caller's thread (D's scheduler, which asks
-    every step while a claim is pending). Why: a reply that reaches a thread must wait
+    every step while a claim is pending; idle sockets close at its next call, not on a
+    clock). Why: a reply that reaches a thread must wait
     for the GIL of a process whose main thread runs vLLM's engine loop; CPython makes it
     wait up to its switch interval (5 ms). ``experiments/bench_claim_latency.py``, both
     engines modelled busy: 3.4-3.5 ms p50 from P's publishing to D's ``take`` polled,
@@ -330,7 +331,7 @@ class ClaimClient:
     def _pump(self) -> None:
         """One non-blocking round of the socket work, in the caller's thread."""
         try:
-            self._step(self._poller, self._asked, self._used, 0)
+            self._step(0)
         except Exception:  # noqa: BLE001 - a reply never fails the caller (vLLM's scheduler)
             logger.exception("kvcached-pd: the claim client failed on one round; it goes on")
 
@@ -348,7 +349,7 @@ class ClaimClient:
         try:
             while not self._stop.is_set():
                 try:
-                    self._step(self._poller, self._asked, self._used, 50)
+                    self._step(50)
                 except Exception:  # noqa: BLE001 - a reply never stops D's claims
                     logger.exception("kvcached-pd: the claim thread failed on one step; "
                                      "it goes on")
@@ -360,8 +361,10 @@ class ClaimClient:
             sock.close(0)
         self._sockets = {}
 
-    def _step(self, poller: zmq.Poller, asked: dict[tuple[str, int], dict[str, "_Asked"]],
-              used: dict[tuple[str, int], float], timeout_ms: int = 50) -> None:
+    def _step(self, timeout_ms: int) -> None:
+        """One round: send what was submitted, read replies, time out, close idle
+        sockets; waits up to ``timeout_ms`` for a socket (0: the polled client)."""
+        poller, asked, used = self._poller, self._asked, self._used
         events = dict(poller.poll(timeout_ms))
         if events.get(self._wake_r.fileno()):
             try:
