@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http
 import json
 import socket
@@ -611,18 +612,19 @@ class Exchange:
 
         await out(_head_bytes("HTTP/1.1 200 OK", h))
         first = True
-        async for data in up.chunks():
-            self.watch.check()
-            if first:
-                first = False
-                self.timings["decode_first_byte_s"] = round(time.perf_counter() - t_dec, 6)
-                if self.marks is not None:
-                    self.marks["d_first"] = time.time()
+        async with contextlib.aclosing(up.chunks()) as body:  # closed when leaving early
+            async for data in body:
+                self.watch.check()
+                if first:
+                    first = False
+                    self.timings["decode_first_byte_s"] = round(time.perf_counter() - t_dec, 6)
+                    if self.marks is not None:
+                        self.marks["d_first"] = time.time()
+                    await out(chunk(data))
+                    if self.marks is not None:
+                        self.marks["out_first"] = time.time()
+                    continue
                 await out(chunk(data))
-                if self.marks is not None:
-                    self.marks["out_first"] = time.time()
-                continue
-            await out(chunk(data))
         self.watch.check()  # a cut D connection ends the stream early
         self.timings["decode_s"] = round(time.perf_counter() - t_dec, 6)
         self.timings["total_s"] = round(time.perf_counter() - self.t0, 6)

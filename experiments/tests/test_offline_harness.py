@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -232,6 +234,127 @@ def test_proxy_trace_marks_each_leg_in_order(pd_pair, capsys, monkeypatch, push_
     # thread start of the proxy before waited for its GIL: 4.8-10 ms p50 from having the
     # request to P's leg sent on 2 x H100, 2026-11-28, push mode)
     assert not seen - before - {sampler.ident}, "the proxy started a thread for a request"
+
+
+class _StubUpstream:
+    """A raw-socket upstream for the proxy's failure paths: answers every request with
+    ``answer`` (bytes) or, with None, holds the connection open without a byte and
+    records when the proxy closes it."""
+
+    def __init__(self, answer: bytes | None):
+        self.answer = answer
+        self.closed_by_peer = threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", _ports.take()))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn):
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:  # closed before sending a whole request
+                    if self.answer is None:
+                        self.closed_by_peer.set()
+                    return
+                data += chunk
+            if self.answer is not None:
+                conn.sendall(self.answer)
+                return
+            conn.settimeout(20)
+            try:
+                while conn.recv(65536):  # the body, then nothing until the proxy closes
+                    pass
+                self.closed_by_peer.set()
+            except OSError:
+                self.closed_by_peer.set()
+
+    def close(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _serve_proxy_to(prefill_url, decode_url, **kw):
+    port = _ports.take()
+    proxy = pd_proxy.PDProxy(prefill_url, decode_url, timeout=30, **kw)
+    server = pd_proxy.make_server("127.0.0.1", port, proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{port}"
+
+
+def test_proxy_push_cuts_the_decode_leg_when_p_fails():
+    """P answers HTTP 500 while D holds its leg open: the proxy closes D's connection
+    (vLLM aborts D's request instead of waiting for a handoff that never comes) and
+    answers the client with P's status, naming the prefill leg. Without the cut the
+    client would wait on D until its timeout."""
+    body = b'{"error": "boom"}'
+    p = _StubUpstream(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    d = _StubUpstream(None)
+    push = {"engine_id": "engine-P", "host": "127.0.0.1", "port": 1, "tp_size": 1,
+            "pp_size": 1}
+    server, url = _serve_proxy_to(p.url, d.url, push_concurrent=push)
+    try:
+        t0 = time.time()
+        res = pd_common.post_json(url + "/v1/completions",
+                                  dict(pd_client.completion_request("fake-model", "hi", 4),
+                                       stream=True), timeout=10)
+        assert time.time() - t0 < 5
+        assert res.status == 500, res.body
+        err = res.json()["error"]
+        assert err["leg"] == "prefill" and err["upstream_status"] == 500
+        assert "boom" in err["upstream_body"]
+        assert d.closed_by_peer.wait(5), "D's leg was left open"
+    finally:
+        server.shutdown()
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("push_mode", [False, True], ids=["sequential", "push-concurrent"])
+def test_proxy_reports_an_unreachable_or_broken_upstream(push_mode):
+    """P refusing connections: 502 naming the prefill leg (and push's D leg closed); a D
+    whose answer is cut mid-head: 502 naming the decode leg. The proxy keeps serving."""
+    dead_url = f"http://127.0.0.1:{_ports.take()}"  # nothing listens there
+    d = _StubUpstream(None)
+    push = {"engine_id": "engine-P", "host": "127.0.0.1", "port": 1, "tp_size": 1,
+            "pp_size": 1} if push_mode else None
+    server, url = _serve_proxy_to(dead_url, d.url, push_concurrent=push)
+    req = pd_client.completion_request("fake-model", "hi", 4)
+    try:
+        res = pd_common.post_json(url + "/v1/completions", req, timeout=10)
+        assert res.status == 502 and res.json()["error"]["leg"] == "prefill", res.body
+        if push_mode:
+            assert d.closed_by_peer.wait(5)
+    finally:
+        server.shutdown()
+        d.close()
+    kv = b'{"choices": [{"text": "x"}], "kv_transfer_params": {"remote_engine_id": "e"}}'
+    p = _StubUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(kv), kv))
+    broken_d = _StubUpstream(b"HTTP/1.1 200 OK\r\nContent-Len")  # then closes
+    server, url = _serve_proxy_to(p.url, broken_d.url, push_concurrent=push)
+    try:
+        res = pd_common.post_json(url + "/v1/completions", req, timeout=10)
+        assert res.status == 502 and res.json()["error"]["leg"] == "decode", res.body
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as r:  # still serving
+            health = json.loads(r.read())
+        assert health["requests"] == 1 and health["failed"] == 1 and health["ok"] == 0
+    finally:
+        server.shutdown()
+        p.close()
+        broken_d.close()
 
 
 def test_proxy_without_trace_prints_no_marks(pd_pair, capsys):
