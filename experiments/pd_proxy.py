@@ -80,6 +80,7 @@ PREFILL_KV_PARAMS = {
 }
 
 MAX_HEAD = 1 << 20  # a request's or a response's head, and a chunk-size line
+MAX_BODY = 64 << 20  # a client's request body (a prompt of millions of tokens fits)
 UPSTREAM_ERRORS = (OSError, EOFError, ValueError, asyncio.IncompleteReadError,
                    asyncio.LimitOverrunError, asyncio.TimeoutError)
 
@@ -148,6 +149,25 @@ def _parse_headers(lines: list[bytes]) -> dict[str, str]:
             raise ValueError(f"malformed header line {raw[:80]!r}")
         out[name.strip().lower()] = value.strip()
     return out
+
+
+def parse_request_head(head: bytes) -> tuple[str, str, bool, dict[str, str], int]:
+    """(method, target, keep-alive, headers, body length) of a client's request head (up
+    to and with its blank line); ValueError for anything else, which the proxy answers
+    with 400 and a closed connection."""
+    lines = head[:-4].split(b"\r\n") if head.endswith(b"\r\n\r\n") else None
+    if not lines:
+        raise ValueError("no request head")
+    parts = lines[0].decode("latin-1").split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise ValueError(f"malformed request line {lines[0][:80]!r}")
+    method, target, version = parts
+    headers = _parse_headers(lines[1:])
+    length = int(headers.get("content-length") or 0)
+    if not 0 <= length <= MAX_BODY:
+        raise ValueError(f"Content-Length {length} outside 0..{MAX_BODY}")
+    keep_alive = version != "HTTP/1.0" and headers.get("connection", "").lower() != "close"
+    return method, target, keep_alive, headers, length
 
 
 class Upstream:
@@ -665,19 +685,13 @@ class PDProxy:
                 leftover = b""
                 recv = time.time()  # the request line and headers are read: --trace's "recv"
                 try:
-                    lines = head[:-4].split(b"\r\n")
-                    method, target, version = lines[0].decode("latin-1").split(" ", 2)
-                    headers = _parse_headers(lines[1:])
-                    length = int(headers.get("content-length") or 0)
-                    if length < 0:
-                        raise ValueError("negative Content-Length")
-                except ValueError:
+                    method, target, keep_alive, headers, length = parse_request_head(head)
+                except ValueError as exc:
                     client.keep_alive = False
-                    await client.send(400, b'{"error":"malformed request"}')
+                    await client.send(400, json.dumps({"error": f"malformed request: {exc}"})
+                                      .encode())
                     return
-                if version.strip() == "HTTP/1.0" or \
-                        headers.get("connection", "").lower() == "close":
-                    client.keep_alive = False
+                client.keep_alive = keep_alive
                 try:
                     raw = await reader.readexactly(length) if length else b""
                 except (asyncio.IncompleteReadError, OSError):

@@ -6,6 +6,7 @@ run: python -m pytest experiments/tests -q
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -13,9 +14,12 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.request
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXP = os.path.dirname(HERE)
@@ -355,6 +359,125 @@ def test_proxy_reports_an_unreachable_or_broken_upstream(push_mode):
         server.shutdown()
         p.close()
         broken_d.close()
+
+
+# ---- the proxy's parsers against garbage (what a client or an upstream sends) ----------
+
+_TOKEN = st.text(st.sampled_from("abcdefghijklmnopqrstuvwxyz-ABCXYZ0123456789"), min_size=1,
+                 max_size=12)
+_VALUE = st.text(st.characters(min_codepoint=32, max_codepoint=255, blacklist_characters="\r\n"),
+                 max_size=40)
+
+
+@st.composite
+def _request_heads(draw):
+    """Heads near the valid ones: a request line of any shape, header lines some of
+    which are malformed, a Content-Length of any size or none."""
+    line = draw(st.one_of(
+        st.builds(lambda m, t, v: f"{m} {t} {v}", _TOKEN, _TOKEN,
+                  st.sampled_from(["HTTP/1.1", "HTTP/1.0", "HTTP/2", "http/1.1", ""])),
+        _VALUE))
+    fields = draw(st.lists(st.one_of(
+        st.builds(lambda k, v: f"{k}: {v}", _TOKEN, _VALUE),
+        st.builds(lambda v: f"Content-Length: {v}", st.one_of(
+            st.integers(-10, 1 << 40).map(str), _VALUE)),
+        st.sampled_from(["Connection: close", "no colon here", ": no name", ""]),
+    ), max_size=6))
+    return ("\r\n".join([line] + fields) + "\r\n\r\n").encode("latin-1")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(_request_heads(), st.binary(max_size=512)))
+def test_request_head_parser_refuses_garbage_with_value_error(head):
+    """A client's head parses or raises ValueError (answered 400, connection closed);
+    nothing else escapes, and no body over the bound is ever read."""
+    try:
+        method, target, keep_alive, headers, length = pd_proxy.parse_request_head(head)
+    except ValueError:
+        return
+    assert 0 <= length <= pd_proxy.MAX_BODY
+    assert method and target and isinstance(keep_alive, bool)
+    assert all(k == k.lower() for k in headers)
+
+
+def test_request_head_parser_reads_what_a_client_sends():
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 17\r\n"
+            b"X-Request-Id: load-0123456789ab-3\r\n\r\n")
+    assert pd_proxy.parse_request_head(head) == (
+        "POST", "/v1/completions", True,
+        {"host": "x", "content-length": "17", "x-request-id": "load-0123456789ab-3"}, 17)
+    assert pd_proxy.parse_request_head(b"GET /health HTTP/1.0\r\n\r\n")[2] is False
+    with pytest.raises(ValueError):
+        pd_proxy.parse_request_head(b"POST / HTTP/1.1\r\nContent-Length: %d\r\n\r\n"
+                                    % (pd_proxy.MAX_BODY + 1))
+
+
+def test_proxy_answers_a_malformed_request_with_400_and_keeps_serving():
+    server, url = _serve_proxy_to("http://127.0.0.1:1", "http://127.0.0.1:1")
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        for bad in (b"POST /v1/completions\r\n\r\n",
+                    b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n",
+                    b"POST /v1/completions HTTP/1.1\r\nno colon\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                c.sendall(bad)
+                answer = b""
+                while chunk := c.recv(65536):  # the proxy closes after answering
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 400 "), answer
+            assert b"malformed request" in answer
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as r:
+            assert json.loads(r.read())["requests"] == 0  # none reached the legs
+    finally:
+        server.shutdown()
+
+
+class _NoWriter:
+    """Upstream's writer side, unused by its reads (abort only on its idle timer)."""
+
+    transport = types.SimpleNamespace(abort=lambda: None)
+
+    def close(self):
+        pass
+
+
+_RESPONSE_PREFIXES = [b"", b"HTTP/1.1 200 OK\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
+                      b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                      b"HTTP/1.1 500 Oops\r\nContent-Length: -3\r\n\r\n"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(_RESPONSE_PREFIXES), st.binary(max_size=1024))
+def test_upstream_reader_turns_garbage_into_an_upstream_error(prefix, tail):
+    """Whatever P or D sends (a status line, headers, a chunked or sized body, cut
+    anywhere), the proxy's reader returns a body or raises one of UPSTREAM_ERRORS, which
+    fail that request's leg with a 502, never the proxy."""
+    async def read():
+        reader = asyncio.StreamReader(limit=pd_proxy.MAX_HEAD)
+        reader.feed_data(prefix + tail)
+        reader.feed_eof()
+        up = pd_proxy.Upstream(reader, _NoWriter(), timeout=5)
+        try:
+            await up.read_head()
+            body = await up.read_body()
+        except pd_proxy.UPSTREAM_ERRORS:
+            return None
+        assert len(body) <= len(prefix + tail)
+        return body
+
+    asyncio.run(asyncio.wait_for(read(), 5))
+
+
+def test_upstream_reader_dechunks_a_streamed_answer():
+    async def read():
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\nTrailer: x\r\n\r\n")
+        reader.feed_eof()
+        up = pd_proxy.Upstream(reader, _NoWriter(), timeout=5)
+        return await up.read_head(), [c async for c in up.chunks()]
+
+    assert asyncio.run(read()) == (200, [b"hello", b" world"])
 
 
 def test_proxy_without_trace_prints_no_marks(pd_pair, capsys):
