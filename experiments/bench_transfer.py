@@ -192,7 +192,8 @@ class Bench:
                     str(self.a.staging_mb)
             if self.a.trace and cfg.env.get("KVCACHED_PD") == "1":
                 env["KVCACHED_PD_TRACE"] = shown["KVCACHED_PD_TRACE"] = "1"
-            cmd = self.settings.vllm_cmd + serve_args(self.settings, port, cfg.block_size, kvt)
+            cmd = self.settings.vllm_cmd + serve_args(
+                self.settings, port, cfg.block_size, kvt, cfg.serve_args)
             proc = ManagedProcess(f"{mode.name}/{role}", cmd, env,
                                   os.path.join(self.logs, f"{mode.name}-{role}.log"),
                                   f"http://127.0.0.1:{port}/health")

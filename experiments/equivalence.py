@@ -97,7 +97,8 @@ class Harness:
             kv_role = "kv_both" if self.settings.kv_role_style == "both" else \
                 ("kv_producer" if role == "prefill" else "kv_consumer")
             kvt = kv_transfer_config(mode.connector, kv_role, engine_id)
-        cmd = self.settings.vllm_cmd + serve_args(self.settings, port, cfg.block_size, kvt)
+        cmd = self.settings.vllm_cmd + serve_args(
+            self.settings, port, cfg.block_size, kvt, cfg.serve_args)
         env = instance_env(cfg, gpu, side, ipc, self.settings.logging_config_path)
         if self.args.batch_invariant:
             env["VLLM_BATCH_INVARIANT"] = "1"

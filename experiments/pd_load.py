@@ -198,12 +198,14 @@ class LoadHarness:
         env.update(extra)
         shown = dict(cfg.env, CUDA_VISIBLE_DEVICES=gpu, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side),
                      KVCACHED_IPC_NAME=ipc, **extra)
-        cmd = self.settings.vllm_cmd + serve_args(self.settings, port, cfg.block_size, kvt)
+        cmd = self.settings.vllm_cmd + serve_args(
+            self.settings, port, cfg.block_size, kvt, cfg.serve_args)
         proc = ManagedProcess(f"{mode.name}/{role}", cmd, env,
                               os.path.join(self.logs, f"{mode.name}-{role}.log"),
                               f"http://127.0.0.1:{port}/health")
         run.ports[role] = {"http": port, "side_channel": side, "gpu": gpu,
                            "engine_id": engine_id, "flavor": cfg.flavor, "env": shown,
+                           "serve_args": list(cfg.serve_args),
                            "kvcached_pd_expected": cfg.env.get("KVCACHED_PD") == "1",
                            "staging_expected": staging_expected(cfg.env)}
         proc.start(shown)

@@ -48,6 +48,9 @@ class InstanceConfig:
     flavor: str  # short human label: vanilla | kvcached-own | kvcached-pd-staged | ...
     env: dict[str, str]
     block_size: int = 16
+    # vLLM serve flags of this instance alone (after the harness's common ones, before the
+    # run's --extra-serve-args), e.g. a prefill instance's --no-async-scheduling
+    serve_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -213,23 +216,59 @@ def load_env(transport: str | None, layout: str = "contiguous",
 KVCACHED_SINGLE = "kvcached-single"  # the load flavour that is one kvcached instance
 SINGLE = "single"  # its "transport": no PD at all
 
-# name -> (description, transport of both sides or None for vanilla, connector[, wire])
-LOAD_FLAVOURS: dict[str, tuple] = {
-    "vanilla": ("PD, vLLM without kvcached", None, "NixlConnector"),
-    "kvpd-staged": ("PD, kvcached + kvcached-pd staged pull", "staged", "NixlConnector"),
-    "kvpd-push": ("PD, kvcached + kvcached-pd staged push", "staged", "NixlPushConnector"),
-    "kvpd-direct": ("PD, kvcached + kvcached-pd direct (needs --kvcached-layout split)",
-                    "direct", "NixlConnector"),
-    "vanilla-push": ("PD, vLLM's own push without kvcached", None, "NixlPushConnector"),
-    "kvpd-staged-nixl": ("PD, kvcached + kvcached-pd staged pull, KVCACHED_PD_WIRE=nixl",
-                         "staged", "NixlConnector", "nixl"),
-    "kvpd-push-nixl": ("PD, kvcached + kvcached-pd staged push, KVCACHED_PD_WIRE=nixl",
-                       "staged", "NixlPushConnector", "nixl"),
+# vLLM's scheduling without its asynchronous pipeline (``--no-async-scheduling``). With it
+# (vLLM's default) the engine schedules step N+1 while step N runs, so a request that
+# reaches a busy engine waits for the step already queued behind the running one before
+# its own: one more engine step on its way. A prefill instance's steps are its prompts'
+# whole forwards (P step p50 14-19 ms tiny, 32-47 ms kvbig on one H200 shared with D,
+# 2026-11-28c), and what the pipeline hides (the host's scheduling between steps, ~1 ms)
+# is small beside them; a decode instance's steps are 3.5-4.5 ms, where it is not.
+NO_ASYNC = ("--no-async-scheduling",)
+
+
+@dataclass(frozen=True)
+class LoadFlavour:
+    description: str
+    transport: str | None  # both sides' kvcached-pd transport; None: vanilla; SINGLE: no PD
+    connector: str | None
+    wire: str | None = None  # KVCACHED_PD_WIRE on both sides (None: kvcached-pd's default)
+    prefill_args: tuple[str, ...] = ()  # vLLM serve flags of P alone (or of the one instance)
+    decode_args: tuple[str, ...] = ()  # of D alone
+
+
+LOAD_FLAVOURS: dict[str, LoadFlavour] = {
+    "vanilla": LoadFlavour("PD, vLLM without kvcached", None, "NixlConnector"),
+    "kvpd-staged": LoadFlavour("PD, kvcached + kvcached-pd staged pull", "staged",
+                               "NixlConnector"),
+    "kvpd-push": LoadFlavour("PD, kvcached + kvcached-pd staged push", "staged",
+                             "NixlPushConnector"),
+    "kvpd-direct": LoadFlavour("PD, kvcached + kvcached-pd direct (needs --kvcached-layout "
+                               "split)", "direct", "NixlConnector"),
+    "vanilla-push": LoadFlavour("PD, vLLM's own push without kvcached", None,
+                                "NixlPushConnector"),
+    "kvpd-staged-nixl": LoadFlavour("PD, kvcached + kvcached-pd staged pull, "
+                                    "KVCACHED_PD_WIRE=nixl", "staged", "NixlConnector", "nixl"),
+    "kvpd-push-nixl": LoadFlavour("PD, kvcached + kvcached-pd staged push, "
+                                  "KVCACHED_PD_WIRE=nixl", "staged", "NixlPushConnector", "nixl"),
+    # P scheduling without vLLM's asynchronous pipeline (NO_ASYNC), D as vLLM defaults it;
+    # "-sync": both sides without it
+    "vanilla-p-sync": LoadFlavour("PD, vLLM without kvcached, P --no-async-scheduling", None,
+                                  "NixlConnector", prefill_args=NO_ASYNC),
+    "kvpd-staged-p-sync": LoadFlavour("PD, kvcached-pd staged pull, P --no-async-scheduling",
+                                      "staged", "NixlConnector", prefill_args=NO_ASYNC),
+    "kvpd-push-p-sync": LoadFlavour("PD, kvcached-pd staged push, P --no-async-scheduling",
+                                    "staged", "NixlPushConnector", prefill_args=NO_ASYNC),
+    "kvpd-push-sync": LoadFlavour("PD, kvcached-pd staged push, P and D "
+                                  "--no-async-scheduling", "staged", "NixlPushConnector",
+                                  prefill_args=NO_ASYNC, decode_args=NO_ASYNC),
     # Not PD: one kvcached instance (kvcached's own patches, kvcached-pd off) serving the
     # load like the reference. Beside the vanilla reference it splits a PD mode's gap to
     # one instance into kvcached's own cost (pages mapped as KV grows) and kvcached-pd's.
-    KVCACHED_SINGLE: ("one instance, no PD, kvcached on (its defaults), kvcached-pd off",
-                      SINGLE, None),
+    KVCACHED_SINGLE: LoadFlavour("one instance, no PD, kvcached on (its defaults), "
+                                 "kvcached-pd off", SINGLE, None),
+    "kvcached-single-sync": LoadFlavour("one instance as kvcached-single, "
+                                        "--no-async-scheduling", SINGLE, None,
+                                        prefill_args=NO_ASYNC),
 }
 LOAD_DEFAULT_MODES = ("vanilla", "kvpd-staged", "kvpd-push")
 
@@ -242,16 +281,19 @@ def load_modes(names: list[str], layout: str = "contiguous") -> list[Mode]:
             raise SystemExit(f"unknown load mode {name!r}; known: {', '.join(LOAD_FLAVOURS)}")
         if any(m.name == name for m in out):
             continue
-        description, transport, connector, *wire = LOAD_FLAVOURS[name]
-        if transport == SINGLE:
+        f = LOAD_FLAVOURS[name]
+        if f.transport == SINGLE:
             env = {**KVCACHED_DEFAULTS, **KVCACHED_LAYOUTS[layout], "KVCACHED_PD": "0"}
-            out.append(Mode(name, description, single=InstanceConfig(f"kvcached-{layout}", env)))
+            out.append(Mode(name, f.description, single=InstanceConfig(
+                f"kvcached-{layout}", env, serve_args=f.prefill_args)))
             continue
-        wire = wire[0] if wire else None
-        flavour = "vanilla" if transport is None else \
-            f"kvcached-pd-{transport}-{layout}" + (f"-{wire}" if wire else "")
-        cfg = InstanceConfig(flavour, load_env(transport, layout, wire))
-        out.append(_pd(name, description, cfg, cfg, connector=connector))
+        flavour = "vanilla" if f.transport is None else \
+            f"kvcached-pd-{f.transport}-{layout}" + (f"-{f.wire}" if f.wire else "")
+        env = load_env(f.transport, layout, f.wire)
+        out.append(_pd(name, f.description,
+                       InstanceConfig(flavour, env, serve_args=f.prefill_args),
+                       InstanceConfig(flavour, env, serve_args=f.decode_args),
+                       connector=f.connector))
     return out
 
 

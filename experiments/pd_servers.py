@@ -140,7 +140,10 @@ def default_vllm_cmd() -> list[str]:
 
 
 def serve_args(settings: ServeSettings, port: int, block_size: int,
-               kv_transfer: dict | None) -> list[str]:
+               kv_transfer: dict | None, instance_args: tuple[str, ...] = ()) -> list[str]:
+    """One instance's ``vllm serve`` arguments: the harness's common ones, the instance's
+    own (``InstanceConfig.serve_args``), then the run's ``--extra-serve-args`` (last, so an
+    operator's flag wins)."""
     args = [
         settings.model,
         "--host", "127.0.0.1",
@@ -157,7 +160,7 @@ def serve_args(settings: ServeSettings, port: int, block_size: int,
         args += ["--kv-cache-memory-bytes", str(settings.kv_cache_bytes)]
     if kv_transfer is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer, separators=(",", ":"))]
-    return args + list(settings.extra_args)
+    return args + list(instance_args) + list(settings.extra_args)
 
 
 def model_runner_env(vllm_version: str | None = None) -> dict[str, str]:

@@ -30,7 +30,8 @@
 #          DIFFER). COLO_EQ_MODES: the modes to run instead (e.g. "reference blocksize
 #          negative": what an earlier run's deadline cut).
 #   PART d (~5 min): the issue's client aborts x5 (tiny 64/16, every 9th client drops its P
-#          leg after 50 ms and its D leg after 10 ms): kvcached-pd pull and push.
+#          leg after 50 ms and its D leg after 10 ms): kvcached-pd pull and push
+#          (COLO_D_LOAD_MODES: other load modes, e.g. kvpd-push-p-sync).
 #   PART e (~8 min): probe_cuda_ipc.py (does a process mapping another's memory through
 #          CUDA IPC survive its death?) and, where present, ipc_selftest.py (the same of
 #          kvcached-pd's own IPC layer), then D killed 1 s into a 128-request load, then P
@@ -192,7 +193,8 @@ push-contiguous kvcached-pd-staged push mixed-p mixed-d blocksize negative}"
   echo "rc equivalence=$?"
   ;;
 d)
-  traffic aborts $(( $(left) - 25 )) --model "$TINY" --modes kvpd-staged,kvpd-push \
+  traffic aborts $(( $(left) - 25 )) --model "$TINY" \
+    --modes "${COLO_D_LOAD_MODES:-kvpd-staged,kvpd-push}" \
     --push-concurrent --issue-aborts --repeats "${COLO_ABORT_REPEATS:-5}" --expect-wire "$WIRE" "${GPU_ARGS[@]}" \
     ${COLO_TRACE:+--trace}
   ;;

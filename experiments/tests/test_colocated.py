@@ -421,7 +421,7 @@ def test_part_c_runs_the_modes_asked_for_and_part_e_can_skip_its_probes(tmp_path
         assert len([argv for argv in cmds if any(x.endswith("traffic.sh") for x in argv)]) == 2
 
 
-def test_part_d_traces_only_when_asked(tmp_path, models):
+def test_part_d_traces_only_when_asked_and_takes_its_modes(tmp_path, models):
     """COLO_TRACE=1 gives the aborts run kvcached-pd's trace lines (the eighth session's
     differing output came from an untraced part d: nothing said what D did at the time)."""
     for env, want in (({}, False), ({"COLO_TRACE": "1"}, True)):
@@ -429,6 +429,13 @@ def test_part_d_traces_only_when_asked(tmp_path, models):
                    if any(x.endswith("traffic.sh") for x in argv)]
         a = pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]])
         assert a.trace is want and a.issue_aborts
+        assert a.modes == ["kvpd-staged", "kvpd-push"]
+    # COLO_D_LOAD_MODES: the aborts under other load modes
+    (argv,) = [argv for argv in _dry_run(tmp_path, "d", COLO_D_LOAD_MODES="kvpd-push-p-sync",
+                                         **models)
+               if any(x.endswith("traffic.sh") for x in argv)]
+    assert pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]]).modes == \
+        ["kvpd-push-p-sync"]
 
 
 def test_part_e_prints_a_status_only_for_the_probes_it_ran(tmp_path, models):

@@ -82,6 +82,46 @@ def test_kvcached_single_is_one_kvcached_instance_without_pd():
     assert split.single.env["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"
 
 
+def test_p_sync_flavours_turn_off_async_scheduling_on_the_side_they_name_only():
+    modes = {m.name: m for m in pd_modes.load_modes(
+        ["kvpd-push", "kvpd-push-p-sync", "kvpd-push-sync", "vanilla-p-sync",
+         "kvcached-single-sync"])}
+    flag = ("--no-async-scheduling",)
+    assert modes["kvpd-push"].prefill.serve_args == modes["kvpd-push"].decode.serve_args == ()
+    p_sync = modes["kvpd-push-p-sync"]
+    assert (p_sync.prefill.serve_args, p_sync.decode.serve_args) == (flag, ())
+    assert p_sync.prefill.env == modes["kvpd-push"].prefill.env  # nothing else differs
+    assert p_sync.connector == "NixlPushConnector"
+    both = modes["kvpd-push-sync"]
+    assert (both.prefill.serve_args, both.decode.serve_args) == (flag, flag)
+    assert modes["vanilla-p-sync"].prefill.serve_args == flag
+    assert modes["vanilla-p-sync"].prefill.env["ENABLE_KVCACHED"] == "false"
+    assert modes["kvcached-single-sync"].single.serve_args == flag
+    # the instance's flags come after the harness's own and before the operator's
+    settings = pd_servers.ServeSettings(model="m", max_model_len=4096,
+                                        gpu_memory_utilization=0.1, kv_cache_bytes=None,
+                                        vllm_cmd=["vllm", "serve"],
+                                        extra_args=["--async-scheduling"])
+    args = pd_servers.serve_args(settings, 8000, 16, None, flag)
+    assert args[-2:] == ["--no-async-scheduling", "--async-scheduling"]
+    assert "--no-async-scheduling" not in pd_servers.serve_args(settings, 8000, 16, None)
+
+
+def test_a_p_sync_mode_starts_p_with_the_flag_and_d_without(tmp_path):
+    res, summary, out = _run_load(tmp_path, "--modes", "kvpd-staged-p-sync", "--repeats", "1")
+    assert res.returncode == 0, res.stdout[-3000:]
+    mode = summary["modes"]["kvpd-staged-p-sync"]
+    assert mode["verdict"] == "PASS"
+    assert mode["instances"]["prefill"]["serve_args"] == ["--no-async-scheduling"]
+    assert mode["instances"]["decode"]["serve_args"] == []
+    logs = out / "logs"
+    cmd = {role: next(line for line in (logs / f"kvpd-staged-p-sync-{role}.log").read_text()
+                      .splitlines() if line.startswith("# cmd: "))
+           for role in ("prefill", "decode")}
+    assert "--no-async-scheduling" in cmd["prefill"]
+    assert "--no-async-scheduling" not in cmd["decode"]
+
+
 def test_a_kvcached_single_instance_serves_every_repeat_checked_against_the_reference(
         tmp_path):
     res, summary, out = _run_load(tmp_path, "--modes", "kvcached-single,vanilla",
