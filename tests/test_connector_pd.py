@@ -38,8 +38,11 @@ def handoff(p: pd.Engine, d: pd.Engine, req_id: str, prompt: list[int]):
     return params, p_blocks, captured["blocks"]
 
 
-def test_staged_handoff_moves_every_token_exactly(staged_env):
-    p = pd.make_engine("p", "kv_producer", seed=1)
+@pytest.mark.parametrize("p_async", [True, False], ids=["p-async", "p-sync"])
+def test_staged_handoff_moves_every_token_exactly(staged_env, p_async):
+    """With P on vLLM's asynchronous scheduler and on its plain one
+    (``--no-async-scheduling``, what the README advises for a prefill instance)."""
+    p = pd.make_engine("p", "kv_producer", seed=1, async_scheduling=p_async)
     d = pd.make_engine("d", "kv_consumer", seed=2)
     prompt = list(range(1, 45))
     params, p_blocks, d_blocks = handoff(p, d, "r1", prompt)
@@ -378,15 +381,19 @@ def test_decode_waits_within_the_step_for_a_read_about_to_end(staged_env, spin_s
     assert first_polls == [("d-r1", spin_s > 0)]
 
 
-@pytest.mark.parametrize("inner", ["NixlConnector", "NixlPushConnector"])
-def test_many_aborts_on_both_sides_leak_nothing(staged_env, monkeypatch, inner):
+@pytest.mark.parametrize("inner,p_async", [("NixlConnector", True), ("NixlPushConnector", True),
+                                           ("NixlConnector", False),
+                                           ("NixlPushConnector", False)],
+                         ids=["pull", "push", "pull-p-sync", "push-p-sync"])
+def test_many_aborts_on_both_sides_leak_nothing(staged_env, monkeypatch, inner, p_async):
     """Rounds of mixed-length requests through P and D, P's staging small enough that
     prefills wait for room and long prompts chunked, aborts on P (waiting for room, mid
     prefill) and on D (before scheduling, with the READ in flight, while decoding):
     every request that completes has P's KV exactly, D stays alive, and at the end
     neither side holds a request, a block, or a byte of staging. Pull mode must settle
     by notifications, well inside P's 30 s KV lease; push mode frees what a D-side
-    abort left on P at that lease (10 s here), as vLLM's push does."""
+    abort left on P at that lease (10 s here), as vLLM's push does. P on vLLM's
+    asynchronous scheduler and on its plain one (``--no-async-scheduling``)."""
     from vllm.v1.request import RequestStatus
 
     from kvcached_pd import vllm_api
@@ -396,7 +403,7 @@ def test_many_aborts_on_both_sides_leak_nothing(staged_env, monkeypatch, inner):
     monkeypatch.setenv("KVCACHED_PD_STAGING_MB", "4")  # ~2 x 1300-token extents
     lease = 30 if inner == "NixlConnector" else 10
     p = pd.make_engine("p", "kv_producer", seed=31, num_blocks=600, inner=inner,
-                       extra={"kv_lease_duration": lease})
+                       extra={"kv_lease_duration": lease}, async_scheduling=p_async)
     d = pd.make_engine("d", "kv_consumer", seed=32, num_blocks=600, inner=inner,
                        extra={"kv_lease_duration": lease})
     settle_s = 15 if inner == "NixlConnector" else lease + 15

@@ -45,9 +45,9 @@ def handoff(p, d, req_id, prompt):
     return mixed_handoff(p, d, req_id, prompt, d_prefix="")
 
 
-def engine(live, name, role, seed, staged=True):
+def engine(live, name, role, seed, staged=True, async_scheduling=True):
     e = pd.make_engine(name, role, seed=seed, staged=staged, inner=PUSH,
-                       extra={"kv_lease_duration": LEASE_S})
+                       extra={"kv_lease_duration": LEASE_S}, async_scheduling=async_scheduling)
     live.append(e)
     return e
 

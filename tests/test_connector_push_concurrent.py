@@ -139,10 +139,14 @@ def test_a_claim_after_p_finished_is_answered_at_once(staged_env, shut_down):
     assert settled(p, d) and not writes
 
 
-def test_many_concurrent_legs_of_mixed_length(staged_env, shut_down):
+@pytest.mark.parametrize("p_async", [True, False], ids=["p-async", "p-sync"])
+def test_many_concurrent_legs_of_mixed_length(staged_env, shut_down, p_async):
     """Several requests of different lengths, legs sent together in both orders: each
-    is staged and exact, and both sides end with nothing held."""
-    p = engine(shut_down, "p", "kv_producer", 45)
+    is staged and exact, and both sides end with nothing held; with P on vLLM's
+    asynchronous scheduler and on its plain one (``--no-async-scheduling``, what the
+    README advises for a prefill instance)."""
+    p = engine(shut_down, "p", "kv_producer", 45, async_scheduling=p_async)
+    assert p.sched.vllm_config.scheduler_config.async_scheduling is p_async
     d = engine(shut_down, "d", "kv_consumer", 46)
     writes = watch_per_block_writes(p)
     lengths = {"m0": 5, "m1": 17, "m2": 33, "m3": 64, "m4": 90}

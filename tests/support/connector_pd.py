@@ -184,20 +184,24 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
                 caches: list[torch.Tensor] | Callable[[Any], list[torch.Tensor]] | None = None,
                 inner: str = "NixlConnector", extra: dict | None = None,
                 kv_layouts: tuple[str, ...] = ("LBNHC", "LBHNC"),
-                prefix_caching: bool = False) -> Engine:
+                prefix_caching: bool = False, async_scheduling: bool = True) -> Engine:
     """``caches``: the KV caches, or a function of the engine's ``VllmConfig`` that
     allocates them once the layout is resolved (kvcached's allocators need it);
     ``kv_layouts``: what the workers report as supported (vLLM 0.29+), most preferred
-    first; ``prefix_caching``: vLLM's ``--enable-prefix-caching``."""
+    first; ``prefix_caching``: vLLM's ``--enable-prefix-caching``; ``async_scheduling``:
+    False builds vLLM's plain ``Scheduler`` (``--no-async-scheduling``, what the README
+    advises for a prefill instance) instead of its ``AsyncScheduler``."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     engine_id = f"{name}-{os.getpid()}-{time.monotonic_ns()}"
     config = connector_config(kv_role, block_size, num_blocks, staged, engine_id, inner, extra,
                               prefix_caching)
+    config.scheduler_config.async_scheduling = async_scheduling
     vw.ensure_distributed(config)
     resolve_layout(config, kv_layouts)
     kv_cache_config = vw.kv_cache_config(LAYER_NAMES, num_blocks, block_size, HEADS, HEAD_DIM)
@@ -218,10 +222,11 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
     affinity = os.sched_getaffinity(0)
     try:
         with set_current_vllm_config(config):
-            sched = AsyncScheduler(vllm_config=config, kv_cache_config=kv_cache_config,
-                                   log_stats=True,
-                                   structured_output_manager=StructuredOutputManager(config),
-                                   block_size=block_size)
+            scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+            sched = scheduler_cls(vllm_config=config, kv_cache_config=kv_cache_config,
+                                  log_stats=True,
+                                  structured_output_manager=StructuredOutputManager(config),
+                                  block_size=block_size)
             worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
                                                          kv_cache_config)
             worker.register_kv_caches(dict(zip(LAYER_NAMES, caches)))
