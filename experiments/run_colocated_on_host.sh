@@ -20,8 +20,11 @@
 #          (results/2026-11-25-h100-colocated/where-the-time-goes.md had no trace of the load).
 #          COLO_B_MODELS (default "kvbig tiny"): the loads to run, in order (one alone gets
 #          the whole part); COLO_B_LOAD_MODES: their modes (default
-#          kvcached-single,vanilla,kvpd-staged,kvpd-push; e.g. kvcached-single,kvpd-push
-#          for an A/B of one mode against one instance: two servers fewer);
+#          kvcached-single,kvcached-single-sync,vanilla-p-sync,kvpd-staged-p-sync,
+#          kvpd-push-p-sync,kvpd-push: the deployment the README advises, P with
+#          --no-async-scheduling, one instance with and without it, and push as vLLM
+#          defaults it, for the change; e.g. kvcached-single,kvpd-push for an A/B of one
+#          mode against one instance);
 #          COLO_CUDA_GRAPHS=1 (parts a and b): vLLM's CUDA graphs in every
 #          instance instead of --enforce-eager (below).
 #   PART c (~6 min): equivalence with D's prefix cache on, push legs sent at once: reference,
@@ -165,7 +168,7 @@ a)
   ;;
 b)
   read -r -a b_models <<< "${COLO_B_MODELS:-kvbig tiny}"
-  B_MODES=${COLO_B_LOAD_MODES:-kvcached-single,vanilla,kvpd-staged,kvpd-push}
+  B_MODES=${COLO_B_LOAD_MODES:-kvcached-single,kvcached-single-sync,vanilla-p-sync,kvpd-staged-p-sync,kvpd-push-p-sync,kvpd-push}
   for m in "${b_models[@]}"; do
     case "$m" in
       kvbig)  # 11/20 of the part when tiny follows, all of it alone

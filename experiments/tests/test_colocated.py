@@ -358,7 +358,9 @@ def test_every_part_parses_with_the_harnesses_own_parsers(tmp_path, models):
     assert (kvbig.requests, kvbig.concurrency, kvbig.ttft_batch) == (48, 8, 8)
     assert (tiny.requests, tiny.concurrency) == (64, 16)
     # one kvcached instance without PD beside the vanilla one: kvcached's own share of a gap
-    assert kvbig.modes == tiny.modes == ["kvcached-single", "vanilla", "kvpd-staged", "kvpd-push"]
+    assert kvbig.modes == tiny.modes == ["kvcached-single", "kvcached-single-sync",
+                                         "vanilla-p-sync", "kvpd-staged-p-sync",
+                                         "kvpd-push-p-sync", "kvpd-push"]
     assert kvbig.trace and tiny.trace  # the per-stage timeline of the TTFT gap
     (aborts,) = seen["d"]
     assert (aborts.abort_every, aborts.repeats) == (9, 5)
@@ -474,7 +476,9 @@ def test_cuda_graphs_and_the_loads_of_part_b_when_asked(tmp_path, models):
     assert kvbig.staging_mb is None and tiny.staging_mb is None
     assert [a.staging_mb for a, _ in loads(COLO_STAGING_MB="6144")] == [6144, 6144]
     # COLO_B_LOAD_MODES: the modes of both loads (every PD mode unless asked)
-    assert kvbig.modes == tiny.modes == ["kvcached-single", "vanilla", "kvpd-staged", "kvpd-push"]
+    assert kvbig.modes == tiny.modes == ["kvcached-single", "kvcached-single-sync",
+                                         "vanilla-p-sync", "kvpd-staged-p-sync",
+                                         "kvpd-push-p-sync", "kvpd-push"]
     assert [a.modes for a, _ in loads(COLO_B_LOAD_MODES="kvcached-single,kvpd-push")] == \
         [["kvcached-single", "kvpd-push"]] * 2
     for graphs, want in (("0", False), ("1", True)):
