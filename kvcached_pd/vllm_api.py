@@ -195,6 +195,15 @@ def kv_lease_seconds(vllm_config: Any) -> float:
     return float(envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
 
 
+def async_scheduling(vllm_config: Any) -> bool:
+    """Whether the engine runs vLLM's asynchronous scheduling (it schedules step N+1 while
+    step N runs): ``SchedulerConfig.async_scheduling``, resolved by vLLM (None: its
+    default, then on where the executor allows) before any connector is built, in every
+    supported release; False where a release lacks it."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    return bool(getattr(scheduler, "async_scheduling", False))
+
+
 def side_channel_host() -> str:
     """The host P advertises to D: vLLM's own NIXL side-channel host setting."""
     import vllm.envs as envs

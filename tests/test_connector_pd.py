@@ -59,6 +59,29 @@ def test_staged_handoff_moves_every_token_exactly(staged_env, p_async):
         "P's blocks were never freed"
 
 
+def test_a_prefill_on_async_scheduling_is_told_to_turn_it_off(staged_env, caplog):
+    """A kv_producer on vLLM's asynchronous scheduling (its default) is told once, at
+    start-up, to take --no-async-scheduling (its prompts wait one prefill step more:
+    README, "Colocated PD"); a prefill without it and a decode instance are not."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="kvcached_pd")
+
+    def advised() -> list[str]:
+        said = [r.getMessage() for r in caplog.records
+                if "--no-async-scheduling" in r.getMessage()]
+        caplog.clear()
+        return said
+
+    for role, async_on, want in (("kv_producer", True, 1), ("kv_producer", False, 0),
+                                 ("kv_consumer", True, 0)):
+        e = pd.make_engine(role[3:], role, async_scheduling=async_on)
+        try:
+            assert len(advised()) == want, (role, async_on)
+        finally:
+            e.worker.shutdown()
+
+
 def test_a_prompt_whose_last_chunk_needs_no_new_block_is_packed(staged_env):
     """Chunked prefill: 33 of a 40-token prompt's tokens in the first step take all
     three of its 16-token blocks, so the step that completes the prompt allocates none

@@ -84,6 +84,26 @@ def staged_reason(vllm_config: Any, kv_cache_config: Any,
     return format_of_kv_cache_config(kv_cache_config)
 
 
+def advise_sync_prefill() -> None:
+    """A prefill-only instance (kv_producer) on vLLM's asynchronous scheduling, its
+    default: the engine schedules step N+1 while step N runs, so a prompt reaching a busy
+    prefill waits for the step already queued behind the running one, and each prefill
+    step is a whole batch of prompts (13-38 ms p50 on the load harness's models). With P
+    and D on one H200, P started with ``--no-async-scheduling`` took the push load's time
+    to first token from 87.9 to 64.3 ms p50 (tiny model, 64 requests 16 at a time) and
+    from 146.2 to 72.8 ms (kvbig, 48/8), end to end 142.3 -> 129.0 and 204.6 -> 154.2 ms
+    (2026-11-28, experiments/results/2026-11-28d-h200x2-session). Said, not changed: the
+    flag is the operator's, and a decode instance (kv_consumer, kv_both) keeps vLLM's
+    default, which hides the host's scheduling between its short decode steps."""
+    logger.warning(
+        "kvcached-pd: this prefill instance (kv_producer) runs vLLM's asynchronous "
+        "scheduling, which holds each prompt that reaches a busy engine one prefill step "
+        "longer before its KV is handed to the decode instance; start prefill instances "
+        "with --no-async-scheduling (measured with P and D on one GPU: time to first "
+        "token 146 -> 73 ms p50 under load; README, 'Colocated PD'). Decode instances keep "
+        "vLLM's default.")
+
+
 class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring.
 
@@ -137,6 +157,8 @@ class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         secret = self._settings.side_channel_secret
         if plan.prefill_bytes:
+            if self._kv_role == "kv_producer" and vllm_api.async_scheduling(vllm_config):
+                advise_sync_prefill()
             self._prefill = PrefillScheduler(
                 fmt=fmt, digest=digest, block_size=block_size,
                 allocator=ExtentAllocator(plan.prefill_bytes, sizing.ALIGNMENT),
