@@ -43,6 +43,7 @@ def test_staged_handoff_moves_every_token_exactly(staged_env, p_async):
     """With P on vLLM's asynchronous scheduler and on its plain one
     (``--no-async-scheduling``, what the README advises for a prefill instance)."""
     p = pd.make_engine("p", "kv_producer", seed=1, async_scheduling=p_async)
+    assert type(p.sched).__name__ == ("AsyncScheduler" if p_async else "Scheduler")
     d = pd.make_engine("d", "kv_consumer", seed=2)
     prompt = list(range(1, 45))
     params, p_blocks, d_blocks = handoff(p, d, "r1", prompt)
@@ -427,6 +428,7 @@ def test_many_aborts_on_both_sides_leak_nothing(staged_env, monkeypatch, inner, 
     lease = 30 if inner == "NixlConnector" else 10
     p = pd.make_engine("p", "kv_producer", seed=31, num_blocks=600, inner=inner,
                        extra={"kv_lease_duration": lease}, async_scheduling=p_async)
+    assert type(p.sched).__name__ == ("AsyncScheduler" if p_async else "Scheduler")
     d = pd.make_engine("d", "kv_consumer", seed=32, num_blocks=600, inner=inner,
                        extra={"kv_lease_duration": lease})
     settle_s = 15 if inner == "NixlConnector" else lease + 15
