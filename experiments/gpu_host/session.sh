@@ -55,6 +55,10 @@
 #     of the prompts that differed once (CHUNKS_KNOWN below).
 #   launch (not by default) bench_launch_paths.py on the lane's GPU: one pack's and one
 #     unpack's span per launch path (no vLLM; ~20 s).
+#   STEP.rN (not by default) STEP again, into a folder of its own (work/STEP.rN), e.g. the
+#     same load on both GPUs at once ("T colo-h;C colo-h.r2"): a second run of one tree
+#     with servers of its own (2026-11-28d: one run of each load, and runs of one tree
+#     had spread 1.34-1.57x). Written last (colo-d.mps.r2, colo-h.t-polled.r2).
 #   STEP.t-TREE (not by default) STEP run from the tree .gpu/trees/TREE (its package, its
 #     harnesses; carried to the host like the uploads), e.g. main's colo-h beside
 #     colo-h.t-polled for a package change measured on the same install. The trees are
@@ -93,6 +97,7 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   # 293 s)
   [ -n "${SESSION_FAKE_STEPS:-}" ] && { echo 0; return; }
   local step=${1%@*}
+  step=${step%.r[0-9]*}
   step=${step%.t-*}
   case ${step%.mps} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
@@ -130,6 +135,7 @@ lane_ports() {  # lane_ports LANE [SLOT]: the port base of a lane's harnesses (C
 step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the session's repo
   # (LANE_GPU: the GPU of the lane that runs it, lane_gpu)
   local step=${1%@*} w=$2
+  step=${step%.r[0-9]*}
   if [ -n "${SESSION_FAKE_STEPS:-}" ]; then  # the offline test: each step sleeps and writes
     echo "sleep $SESSION_FAKE_STEPS; echo $1 \$(command -v python3) > $w/summary.txt;" \
          "echo '${LANE_PORTS}gpu $LANE_GPU' > $w/lane.txt; echo \$COLO_BUDGET_S > $w/budget.txt;" \
@@ -218,7 +224,8 @@ run_step() {  # run_step LANE STEP [SLOT]: one step inside the session's deadlin
   # more (two server starts and three load runs: colo-e's kill D push never started
   # within 560, 2026-11-27f and g), and a session's step is not one host command
   local cap=560
-  case ${step%@*} in colo-e|cross-e) cap=720 ;; esac
+  local base=${step%@*}
+  case ${base%.r[0-9]*} in colo-e|cross-e) cap=720 ;; esac
   (cd $S/repo && PATH=$path COLO_BUDGET_S=$(( left - 20 < cap ? left - 20 : cap )) \
      timeout --signal=TERM --kill-after=20 "$left" bash -c "$(step_cmd "$step" "$w")") \
      > "$w/step.log" 2>&1

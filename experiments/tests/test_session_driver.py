@@ -389,3 +389,36 @@ def test_with_mps_serves_the_command_its_own_daemon_and_stops_it_however_it_ends
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 3 and not (tmp_path / "ran").exists()
     assert "no MPS" in (tmp_path / "w2" / "mps.txt").read_text()
+
+
+def test_a_step_named_as_a_repeat_runs_its_steps_command_into_a_folder_of_its_own(tmp_path):
+    """STEP.rN: the same load on both GPUs at once, or twice in one lane, each run into its
+    own folder (two lanes' colo-h shared work/colo-h; the second run's summary replaced the
+    first's); its command and its estimate are STEP's."""
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2",
+            SESSION_PLAN="T colo-h colo-e.r3;C colo-h.r2 colo-h.t-polled.r2")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(":")[0]: line.split(": ", 1)[1] for line in r.stdout.splitlines()}
+    assert "KVPD_GPUS='0 0'" in lines["T colo-h"]
+    assert lines["C colo-h.r2"] == "COLO_PORT_BASE=23000 " + lines["T colo-h"].replace(
+        "'0 0'", "'1 1'").replace("/work/colo-h ", "/work/colo-h.r2 ")
+    assert "run_colocated_on_host.sh" in lines["T colo-e.r3"] and lines["T colo-e.r3"].endswith(
+        "/work/colo-e.r3 e")
+    assert lines["C colo-h.t-polled.r2"].startswith("cd .gpu/trees/polled && ")
+    # started: each run writes its own folder, and both are packed with their lane
+    r = run(tmp_path, "start", "abc123", SESSION_FAKE_STEPS="1", SESSION_GPUS="2",
+            SESSION_SECONDS="40", SESSION_PLAN="T colo-h colo-h.r3;C colo-h.r2")
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out"
+    run(tmp_path, "wait", "60", str(out))
+    assert {"colo-h", "colo-h.r2", "colo-h.r3"} <= set(steps(tmp_path))
+    work = tmp_path / "s" / "work"
+    assert (work / "colo-h.r2" / "lane.txt").read_text().split()[-1] == "1"
+    with tarfile.open(out / "T.tar.gz") as t:
+        assert {"colo-h/summary.txt", "colo-h.r3/summary.txt"} <= set(t.getnames())
+    # the estimate (and the kills' longer cap) are the step's
+    r = run(tmp_path, "start", "abc123", SESSION_GPUS="1", SESSION_SECONDS="30",
+            SESSION_PLAN="T colo-h.r2 colo-e.r2")
+    run(tmp_path, "wait", "30", str(tmp_path / "out2"))
+    assert "estimate 240s" in steps(tmp_path)["colo-h.r2"]
+    assert "estimate 720s" in steps(tmp_path)["colo-e.r2"]
