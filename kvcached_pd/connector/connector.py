@@ -88,20 +88,23 @@ def advise_sync_prefill() -> None:
     """A prefill-only instance (kv_producer) on vLLM's asynchronous scheduling, its
     default: the engine schedules step N+1 while step N runs, so a prompt reaching a busy
     prefill waits for the step already queued behind the running one, and each prefill
-    step is a whole batch of prompts (13-38 ms p50 on the load harness's models). With P
-    and D on one H200, P started with ``--no-async-scheduling`` took the push load's time
-    to first token from 87.9 to 64.3 ms p50 (tiny model, 64 requests 16 at a time) and
-    from 146.2 to 72.8 ms (kvbig, 48/8), end to end 142.3 -> 129.0 and 204.6 -> 154.2 ms
-    (2026-11-28, experiments/results/2026-11-28d-h200x2-session). Said, not changed: the
-    flag is the operator's, and a decode instance (kv_consumer, kv_both) keeps vLLM's
-    default, which hides the host's scheduling between its short decode steps."""
+    step is a whole batch of prompts (13-46 ms p50 on the load harness's models). With P
+    and D on one H200, P started with ``--no-async-scheduling`` took the push loads' time
+    to first token to 0.50-1.00x of vLLM's default at p50 (e.g. 146.2 -> 72.8 ms, kvbig
+    48 requests 8 at a time), their p90 latencies mostly far lower (0.24-1.04x), end to
+    end p50 0.72-1.12x (three runs side by side, two loads each, 2026-11-28;
+    experiments/results/2026-11-28d- and 2026-11-28e-h200x2-session). Said, not changed:
+    the flag is the operator's, and a decode instance (kv_consumer, kv_both) keeps vLLM's
+    default, which hides the host's scheduling between its short decode steps (with the
+    flag on D too, two runs: D's first token one step sooner, its decode steps longer,
+    end to end p50 0.95-1.03x)."""
     logger.warning(
         "kvcached-pd: this prefill instance (kv_producer) runs vLLM's asynchronous "
         "scheduling, which holds each prompt that reaches a busy engine one prefill step "
         "longer before its KV is handed to the decode instance; start prefill instances "
-        "with --no-async-scheduling (measured with P and D on one GPU: time to first "
-        "token 146 -> 73 ms p50 under load; README, 'Colocated PD'). Decode instances keep "
-        "vLLM's default.")
+        "with --no-async-scheduling (measured with P and D on one GPU under load: time to "
+        "first token p50 0.50-1.00x, p90 latencies mostly far lower; README, 'Colocated "
+        "PD'). Decode instances keep vLLM's default.")
 
 
 class KvcachedPDConnector(KVConnectorBase_V1, SupportsHMA):
