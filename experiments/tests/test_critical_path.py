@@ -90,7 +90,7 @@ def test_a_stage_follows_its_events(tmp_path, monkeypatch):
 def test_no_traces_is_said_not_rendered_as_zeros(tmp_path):
     (tmp_path / "logs").mkdir()
     summary = critical_path.summarize(str(tmp_path))
-    assert summary == {"modes": {}, "against": None, "steps": {}}
+    assert summary == {"modes": {}, "against": None, "steps": {}, "beside": {}}
     assert "no traced PD requests" in critical_path.render(summary)
 
 
@@ -120,3 +120,36 @@ def test_the_proxys_marks_split_the_way_to_p_and_ds_way_out(tmp_path, monkeypatc
     # without the proxy's lines there is no such table
     (out / "logs" / "kvpd-push-proxy.log").unlink()
     assert "The proxy's marks" not in critical_path.render(critical_path.summarize(str(out)))
+
+
+def test_ds_steps_are_split_by_whether_one_of_ps_steps_ran_beside_them(tmp_path,
+                                                                      monkeypatch):
+    """D's step periods beside one of P's steps and alone: P steps 10.000-10.020 and
+    10.050-10.060; D steps of 6 and 7 ms overlap them, 3 and 4 ms ones do not, one ends
+    exactly where P's starts (not beside), one idle period (> 1 s) is no step."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    write_log(logs / "kvpd-push-prefill.log", [
+        (10.021, "step", "", {"start": 10.000, "until_next_ms": 20.0, "tokens": 9, "reqs": 1}),
+        (10.061, "step", "", {"start": 10.050, "until_next_ms": 10.0, "tokens": 9, "reqs": 1}),
+    ], monkeypatch)
+    write_log(logs / "kvpd-push-decode.log", [
+        (10.1, "step", "", {"start": 9.995, "until_next_ms": 6.0, "tokens": 1, "reqs": 1}),
+        (10.1, "step", "", {"start": 10.015, "until_next_ms": 7.0, "tokens": 1, "reqs": 1}),
+        (10.1, "step", "", {"start": 10.025, "until_next_ms": 3.0, "tokens": 1, "reqs": 1}),
+        (10.1, "step", "", {"start": 10.030, "until_next_ms": 4.0, "tokens": 1, "reqs": 1}),
+        (10.1, "step", "", {"start": 10.045, "until_next_ms": 5.0, "tokens": 1, "reqs": 1}),
+        (10.1, "step", "", {"start": 10.070, "until_next_ms": 2000.0, "tokens": 1, "reqs": 1}),
+    ], monkeypatch)
+    # a mode with P's steps and no D's (vanilla has no trace on either) is not listed
+    write_log(logs / "kvpd-staged-prefill.log", [
+        (10.1, "step", "", {"start": 10.0, "until_next_ms": 5.0, "tokens": 1, "reqs": 1})],
+        monkeypatch)
+    got = critical_path.d_steps_beside_p(
+        critical_path.trace_timeline.read_events(str(logs)))
+    assert got == {"kvpd-push": {"beside": {"n": 2, "p50": 6.5},
+                                 "alone": {"n": 3, "p50": 4.0}}}
+    summary = {"modes": {"kvpd-push": {s: 1.0 for s in critical_path.STAGES} | {"n": 1}},
+               "against": None, "steps": {}, "beside": got}
+    assert critical_path.render(summary).splitlines()[-1].endswith(
+        "kvpd-push 6.5 (2) / 4.0 (3)")
