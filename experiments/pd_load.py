@@ -43,7 +43,10 @@ survivor must keep serving and its staging return to 0 within --abort-timeout-s)
 
 Latency per mode over completed requests, p50 and p90: end to end, time to first token
 (first streamed token), P leg and D leg (the proxy's X-PD-Prefill-Seconds header and its
-closing timing line), with ratios against vanilla PD.
+closing timing line), with ratios against vanilla PD. With them, the host's CPUs during
+each mode's repeats: how busy all of them were, and each of the mode's process trees'
+CPU milliseconds per completed request (host_cpu.py: the colocated ratios moved with what
+else the host ran).
 
 The streaming client with its aborts is load_client.py; the checks, pure functions of
 what a repeat measured, are load_checks.py.
@@ -77,6 +80,7 @@ from load_checks import (ABSENT, FAIL, NA, PASS, check_alive, check_kv_loaded,
                          check_memory_returned, check_outputs, check_requests, check_staging,
                          check_wire, latency_stats, ms, staging_expected, verdict_of)
 from gpu_memory import PeakSampler, compute_apps_mib, gpu_used_on, instance_memory
+from host_cpu import CpuWindow
 from load_client import AbortPlan, completion_body, run_load, stream_completion
 from pd_common import (M, Deadline, MetricSnapshot, Prompt, get, load_prompts, log,
                        make_prompt_text, metric_delta, post_json, scrape_metrics, write_json)
@@ -343,6 +347,15 @@ class LoadHarness:
                     "gpu": {"device_mib": self.gpu_used(run), "kvcached": None}}
         return PeakSampler(read, self.a.memory_sample_s)
 
+    @staticmethod
+    def cpu_window(run: ModeRun) -> CpuWindow:
+        """The host's CPUs and the mode's process trees (each instance, the proxy), from
+        now until the repeat's requests are done."""
+        roots = {role: proc.pid for role, proc in run.instances.items()}
+        if run.proxy is not None:
+            roots["proxy"] = run.proxy.pid
+        return CpuWindow(roots).start()
+
     # ---- one load of one mode --------------------------------------------------------
     def one_repeat(self, run: ModeRun, index: int, kill: bool, final: bool = False) -> dict:
         """``final``: with client aborts, this mode's last repeat (the last asked for, or
@@ -366,18 +379,21 @@ class LoadHarness:
                 timer.start()
 
         sampler = self.memory_sampler(run).start() if a.memory_sample_s > 0 else None
+        cpu = self.cpu_window(run)
         t0 = time.monotonic()
         try:
             requests = run_load(run.url, a.model, self.prompts, a.max_tokens, a.concurrency,
                                 a.request_timeout, self.aborts, on_start=arm_kill)
         finally:
             peak = sampler.stop() if sampler else {}
+            cpu_use = cpu.stop()
         wall = time.monotonic() - t0
         if timer is not None:
             timer.join()
         memory["peak_load"] = {role: r for role, r in peak.items() if role != "gpu"}
         gpu["peak_load"] = (peak.get("gpu") or {}).get("device_mib")
-        rep: dict = {"repeat": index, "wall_s": round(wall, 3), "kill": kill and a.kill}
+        rep: dict = {"repeat": index, "wall_s": round(wall, 3), "kill": kill and a.kill,
+                     "cpu": cpu_use}
         rep["n_sent"] = len(requests)
         rep["n_completed"] = sum(r["ok"] for r in requests)
         rep["n_aborted"] = {leg: sum(r["aborted"] == leg for r in requests)
@@ -609,8 +625,10 @@ class LoadHarness:
         act on PD legs). The reference's pass (index 0) is the ground truth; any other
         single instance's outputs are checked against it."""
         a = self.a
+        cpu = self.cpu_window(run)
         requests = run_load(run.url, a.model, self.prompts, a.max_tokens, a.concurrency,
                             a.request_timeout)
+        cpu_use = cpu.stop()
         bad = [r for r in requests if not r["ok"]]
         checks = {"requests": check_requests(requests, False)}
         if run.mode.name != "reference":
@@ -625,7 +643,7 @@ class LoadHarness:
         return {"repeat": index, "n_sent": len(requests),
                 "n_completed": len(requests) - len(bad), "n_failed": len(bad),
                 "n_aborted": {}, "checks": checks, "verdict": verdict_of(checks),
-                "latency": latency_stats(requests), "requests": requests}
+                "latency": latency_stats(requests), "requests": requests, "cpu": cpu_use}
 
     def run_reference(self, run: ModeRun) -> None:
         rep = self.single_repeat(run, 0)
@@ -787,6 +805,7 @@ class LoadHarness:
             "kvcached_pd": evidence,
             "memory": reps[-1].get("memory") if reps else None,
             "gpu_used_mib": reps[-1].get("gpu_used_mib") if reps else None,
+            "cpu": cpu_summary(reps),
         }
 
     def write(self) -> dict:
@@ -937,6 +956,9 @@ def render_summary(doc: dict) -> str:
     mem_lines = render_memory(doc)
     if mem_lines:
         lines += [""] + mem_lines
+    cpu_lines = render_cpu(doc)
+    if cpu_lines:
+        lines += [""] + cpu_lines
     if any(r.get("ttft_batch") for r in doc["modes"].values()):
         lines += ["", "TTFT batch (concurrent long prompts), ms:"]
         for name, r in doc["modes"].items():
@@ -954,6 +976,45 @@ def render_summary(doc: dict) -> str:
     if doc.get("timeline"):
         lines += ["", doc["timeline"].rstrip("\n")]
     return "\n".join(lines) + "\n"
+
+
+def cpu_summary(reps: list[dict]) -> dict | None:
+    """Over a mode's repeats (host_cpu.CpuWindow's readings): the host's busy share
+    (mean, min, max of the repeats) and each process tree's CPU milliseconds per
+    completed request (all repeats' CPU over all their completed requests)."""
+    cpus = [r["cpu"] for r in reps if r.get("cpu")]
+    busy = [c["busy_pct"] for c in cpus if c.get("busy_pct") is not None]
+    done = sum(r.get("n_completed", 0) for r in reps if r.get("cpu"))
+    if not cpus:
+        return None
+    per_request = {}
+    for role in sorted({k for c in cpus for k in c.get("cpu_s", {})}):
+        vals = [c["cpu_s"].get(role) for c in cpus]
+        per_request[role] = (round(1e3 * sum(vals) / done, 2)
+                             if done and all(v is not None for v in vals) else None)
+    return {"busy_pct": round(sum(busy) / len(busy), 1) if busy else None,
+            "busy_range": [min(busy), max(busy)] if busy else None,
+            "cpus": cpus[0].get("cpus"), "ms_per_request": per_request}
+
+
+def render_cpu(doc: dict) -> list[str]:
+    """One line per mode: the host's CPUs busy during its repeats, and its processes'
+    CPU per completed request (experiments/host_cpu.py says why)."""
+    rows, cpus = [], None
+    for name, r in doc["modes"].items():
+        c = r.get("cpu")
+        if not c:
+            continue
+        cpus = cpus or c.get("cpus")
+        busy = "-" if c["busy_pct"] is None else \
+            f"{c['busy_pct']:.0f} ({c['busy_range'][0]:.0f}-{c['busy_range'][1]:.0f})"
+        per = ", ".join(f"{role} {'-' if ms is None else f'{ms:.1f}'}"
+                        for role, ms in c["ms_per_request"].items())
+        rows.append(f"  {name:<18} {busy:>14}   {per}")
+    if not rows:
+        return []
+    return [f"Host CPU during the load (all repeats): busy % of the host's {cpus} CPUs "
+            "(mean, range of repeats); CPU ms per completed request by process tree:"] + rows
 
 
 MEMORY_POINTS = ("before", "peak_load", "after_load", "idle")

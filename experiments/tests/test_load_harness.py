@@ -358,6 +358,14 @@ def test_load_with_aborts_passes_and_reports_everything(tmp_path):
     assert modes["kvpd-staged"]["graph_fallbacks"] == {"prefill": 0, "decode": 0}
     assert modes["vanilla"]["graph_fallbacks"] == {"prefill": None, "decode": None}
     assert modes["kvpd-push"]["vs_vanilla"]["latency.e2e_p50_ms"] > 0
+    # the host's CPUs during each mode's repeats, and each process tree's CPU per request
+    # (the fake servers parse, tokenize and stream in Python: never 0 over 30 requests)
+    for name in ("reference", "vanilla", "kvpd-staged", "kvpd-push"):
+        cpu = modes[name]["cpu"]
+        assert 0 < cpu["busy_pct"] <= 100 and cpu["cpus"] == os.cpu_count(), cpu
+        roles = {"single"} if name == "reference" else {"prefill", "decode", "proxy"}
+        assert set(cpu["ms_per_request"]) == roles, cpu
+        assert all(ms > 0 for ms in cpu["ms_per_request"].values()), cpu
     detail = json.loads((out / "modes" / "kvpd-staged.json").read_text())
     reps = detail["repeats"]
     assert sum(sum(r["proxy_client_gone"].values()) for r in reps) >= 6  # aborts propagated
@@ -365,6 +373,7 @@ def test_load_with_aborts_passes_and_reports_everything(tmp_path):
     text = (out / "summary.txt").read_text()
     assert "requests 3, 6, 9, ...: drop P leg after 15 ms / D leg after 10 ms" in text
     assert "x vanilla" in text
+    assert "Host CPU during the load" in text and "proxy" in text.split("Host CPU")[1]
     assert (out / "latency.csv").read_text().count("\n") >= 1 + 3 * 2 + 1
 
 
