@@ -170,8 +170,9 @@ def stream_completion(url: str, body: dict, timeout: float, abort_p_ms: float | 
 
 def run_load(url: str, model: str, prompts: list[Prompt], max_tokens: int, concurrency: int,
              timeout: float, aborts: AbortPlan | None = None,
-             on_start=None) -> list[dict]:
-    """Every prompt once, ``concurrency`` in flight, in prompt order; outcomes in that order."""
+             on_start=None, on_done=None) -> list[dict]:
+    """Every prompt once, ``concurrency`` in flight, in prompt order; outcomes in that order.
+    ``on_done(result)``: called from the client's thread as each request ends."""
 
     def one(i: int) -> dict:
         prompt = prompts[i]
@@ -181,6 +182,8 @@ def run_load(url: str, model: str, prompts: list[Prompt], max_tokens: int, concu
                                 p_ms, d_ms, request_id=f"load-{uuid.uuid4().hex[:12]}-{i}")
         res.update(name=prompt.name, index=i, intended_prompt_tokens=prompt.num_tokens,
                    abort_planned=plan is not None)
+        if on_done:
+            on_done(res)
         return res
 
     if on_start:

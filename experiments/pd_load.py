@@ -38,8 +38,8 @@ Fault options: --ucx-fault-lib (LD_PRELOAD'ed UCX fault injector, as vLLM's own
 tests/v1/kv_connector/nixl_integration/run_ucx_fault_injection_test.sh does: the UCX
 operations --ucx-fault-pattern or --ucx-fault-every N marks fail on --ucx-fault-on;
 "kvpd" is experiments/ucx_fault's own injector, built for the run) and --kill prefill|decode
---kill-at-s T (SIGKILL of that instance's process tree during the last repeat; the
-survivor must keep serving and its staging return to 0 within --abort-timeout-s).
+--kill-at-s T or --kill-after N (SIGKILL of that instance's process tree during the last
+repeat, T seconds in or once N requests completed; the survivor must keep serving and its staging return to 0 within --abort-timeout-s).
 
 Latency per mode over completed requests, p50 and p90: end to end, time to first token
 (first streamed token), P leg and D leg (the proxy's X-PD-Prefill-Seconds header and its
@@ -369,21 +369,32 @@ class LoadHarness:
         before = self.scrape(run)
         proxy_before = self.proxy_stats(run)
         timer = None
+        completed = []  # --kill-after: the requests that completed before the kill
+        kill_lock = threading.Lock()
 
         def arm_kill():
             nonlocal timer
-            if kill:
+            if kill and a.kill_at_s is not None:
                 victim = run.instances[a.kill]
                 timer = threading.Timer(a.kill_at_s, self._kill, (run, victim))
                 timer.daemon = True
                 timer.start()
+
+        def count_done(result: dict) -> None:
+            if not (kill and a.kill_after) or not result["ok"]:
+                return
+            with kill_lock:
+                completed.append(result["index"])
+                if len(completed) == a.kill_after:
+                    self._kill(run, run.instances[a.kill])
 
         sampler = self.memory_sampler(run).start() if a.memory_sample_s > 0 else None
         cpu = self.cpu_window(run)
         t0 = time.monotonic()
         try:
             requests = run_load(run.url, a.model, self.prompts, a.max_tokens, a.concurrency,
-                                a.request_timeout, self.aborts, on_start=arm_kill)
+                                a.request_timeout, self.aborts, on_start=arm_kill,
+                                on_done=count_done)
         finally:
             peak = sampler.stop() if sampler else {}
             cpu_use = cpu.stop()
@@ -548,7 +559,9 @@ class LoadHarness:
                 + why}
 
     def _kill(self, run: ModeRun, proc: ManagedProcess) -> None:
-        log(f"KILL   {proc.name}: SIGKILL to its process tree at +{self.a.kill_at_s:g}s")
+        when = (f"at +{self.a.kill_at_s:g}s" if self.a.kill_at_s is not None
+                else f"after {self.a.kill_after} requests completed")
+        log(f"KILL   {proc.name}: SIGKILL to its process tree {when}")
         run.killed = self.a.kill
         proc.signal_group(signal.SIGKILL)
 
@@ -1176,6 +1189,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kill", choices=("prefill", "decode"), default=None,
                     help="SIGKILL this instance's process tree during the last repeat")
     ap.add_argument("--kill-at-s", type=float, default=None, help="seconds into that load")
+    ap.add_argument("--kill-after", type=int, default=None, metavar="N",
+                    help="instead of --kill-at-s: once N of that load's requests completed "
+                         "(mid-run whatever the host's speed: the offline tests' fake "
+                         "servers on a busy 2-core CI host had completed none at 0.9 s)")
     ap.add_argument("--abort-timeout-s", type=float, default=None,
                     help="VLLM_NIXL_ABORT_REQUEST_TIMEOUT on PD instances (default: 20 with "
                          "--kill or --ucx-fault-lib, else vLLM's own, 480)")
@@ -1256,8 +1273,10 @@ def validate(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         ap.error("--abort-every needs --abort-prefill-ms and/or --abort-decode-ms")
     if not a.abort_every and (a.abort_prefill_ms is not None or a.abort_decode_ms is not None):
         ap.error("--abort-prefill-ms/--abort-decode-ms need --abort-every K")
-    if (a.kill is None) != (a.kill_at_s is None):
-        ap.error("--kill and --kill-at-s go together")
+    if (a.kill is None) != (a.kill_at_s is None and a.kill_after is None):
+        ap.error("--kill goes with one of --kill-at-s and --kill-after")
+    if a.kill_at_s is not None and a.kill_after is not None:
+        ap.error("--kill-at-s or --kill-after, not both")
     if a.ucx_fault_every is not None:
         if a.ucx_fault_every < 1:
             ap.error("--ucx-fault-every must be >= 1")
@@ -1284,6 +1303,9 @@ def validate(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     a.concurrency = a.concurrency if a.concurrency is not None else preset["concurrency"]
     if a.requests < 1 or a.concurrency < 1:
         ap.error("--requests and --concurrency must be >= 1")
+    if a.kill_after is not None and not 0 < a.kill_after < a.requests:
+        ap.error(f"--kill-after {a.kill_after}: must be between 1 and --requests - 1 "
+                 f"({a.requests - 1}), or the kill never lands mid-run")
     room = a.max_model_len - a.max_tokens
     if a.max_prompt_tokens > room:
         ap.error(f"--max-prompt-tokens {a.max_prompt_tokens} + --max-tokens {a.max_tokens} "
