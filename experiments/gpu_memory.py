@@ -35,6 +35,18 @@ def kvcached_mapped(ipc_name: str, shm_dir: str = SHM_DIR) -> dict[str, int] | N
     return {"total": total, "used": used, "prealloc": prealloc}
 
 
+def stat_fields(pid: int | str, proc_dir: str = "/proc") -> list[str] | None:
+    """``/proc/PID/stat``'s fields after the command name (state, ppid, ...: ``[1]`` is
+    the parent, ``[11]`` and ``[12]`` user and system ticks); None for a process gone."""
+    try:
+        with open(os.path.join(proc_dir, str(pid), "stat"), encoding="utf-8") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+    return stat[stat.rfind(")") + 2:].split()
+
+
 def process_tree(root: int, proc_dir: str = "/proc") -> set[int]:
     """``root`` and every process descending from it."""
     children: dict[int, list[int]] = {}
@@ -45,14 +57,8 @@ def process_tree(root: int, proc_dir: str = "/proc") -> set[int]:
     for name in names:
         if not name.isdigit():
             continue
-        try:
-            with open(os.path.join(proc_dir, name, "stat"), encoding="utf-8") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1 and fields[1].isdigit():
+        fields = stat_fields(name, proc_dir)
+        if fields and len(fields) > 1 and fields[1].isdigit():
             children.setdefault(int(fields[1]), []).append(int(name))
     tree, todo = set(), [root]
     while todo:

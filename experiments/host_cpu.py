@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from gpu_memory import process_tree
+from gpu_memory import process_tree, stat_fields
 
 PROC = "/proc"
 
@@ -48,15 +48,8 @@ def tree_cpu_s(root: int | None, proc_dir: str = PROC) -> float | None:
     tick = os.sysconf("SC_CLK_TCK")
     total, seen = 0, False
     for pid in process_tree(root, proc_dir):
-        try:
-            with open(os.path.join(proc_dir, str(pid), "stat"), encoding="utf-8") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": utime and stime are fields 14 and 15, the 12th and
-        # 13th after the command name (which may hold spaces and parentheses)
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 12:
+        fields = stat_fields(pid, proc_dir)  # utime and stime: /proc/PID/stat's 14th, 15th
+        if fields and len(fields) > 12:
             total += int(fields[11]) + int(fields[12])
             seen = True
     return total / tick if seen else None

@@ -39,7 +39,8 @@ tests/v1/kv_connector/nixl_integration/run_ucx_fault_injection_test.sh does: the
 operations --ucx-fault-pattern or --ucx-fault-every N marks fail on --ucx-fault-on;
 "kvpd" is experiments/ucx_fault's own injector, built for the run) and --kill prefill|decode
 --kill-at-s T or --kill-after N (SIGKILL of that instance's process tree during the last
-repeat, T seconds in or once N requests completed; the survivor must keep serving and its staging return to 0 within --abort-timeout-s).
+repeat, T seconds in or once N requests completed; the survivor must keep serving and
+its staging return to 0 within --abort-timeout-s).
 
 Latency per mode over completed requests, p50 and p90: end to end, time to first token
 (first streamed token), P leg and D leg (the proxy's X-PD-Prefill-Seconds header and its
@@ -369,7 +370,7 @@ class LoadHarness:
         before = self.scrape(run)
         proxy_before = self.proxy_stats(run)
         timer = None
-        completed = []  # --kill-after: the requests that completed before the kill
+        completed = [0]  # --kill-after: requests completed so far (client threads)
         kill_lock = threading.Lock()
 
         def arm_kill():
@@ -384,8 +385,8 @@ class LoadHarness:
             if not (kill and a.kill_after) or not result["ok"]:
                 return
             with kill_lock:
-                completed.append(result["index"])
-                if len(completed) == a.kill_after:
+                completed[0] += 1
+                if completed[0] == a.kill_after:
                     self._kill(run, run.instances[a.kill])
 
         sampler = self.memory_sampler(run).start() if a.memory_sample_s > 0 else None
