@@ -1263,6 +1263,11 @@ def validate(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             ap.error(f"--modes: unknown mode {m!r}; known: {', '.join(LOAD_FLAVOURS)}")
     if not a.modes:
         ap.error("--modes: name at least one PD mode")
+    needs_mps = [m for m in a.modes if LOAD_FLAVOURS[m].needs_mps]
+    if needs_mps and not mps_control_running():
+        ap.error(f"--modes {','.join(needs_mps)}: P's settings there are MPS client settings, "
+                 "which CUDA ignores without an MPS server; no MPS control daemon found in "
+                 f"{mps_pipe_dir()} (run the load under gpu_host/with_mps.sh)")
     if "kvpd-direct" in a.modes and a.kvcached_layout != "split":
         ap.error("--modes kvpd-direct needs --kvcached-layout split (kvcached's NIXL path "
                  "registers the split layout)")
@@ -1317,6 +1322,19 @@ def validate(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         need = a.concurrency * a.max_prompt_tokens * (kv_per_token or 32 * 1024) * 1.5
         a.kv_cache_gib = max(2.0, float(-(-need // (1 << 30))))
     a.kv_bytes_per_token = kv_per_token
+
+
+def mps_pipe_dir() -> str:
+    """Where CUDA's MPS clients look for the control daemon (NVIDIA's default, or the
+    folder CUDA_MPS_PIPE_DIRECTORY names)."""
+    return os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+
+
+def mps_control_running() -> bool:
+    """An MPS control daemon keeps its pid file and its control socket in its pipe folder
+    while it runs."""
+    return any(os.path.exists(os.path.join(mps_pipe_dir(), name))
+               for name in ("nvidia-cuda-mps-control.pid", "control"))
 
 
 def parse_kvcached_env(ap: argparse.ArgumentParser, items: list[str]) -> dict[str, str]:

@@ -225,6 +225,16 @@ SINGLE = "single"  # its "transport": no PD at all
 # is small beside them; a decode instance's steps are 3.5-4.5 ms, where it is not.
 NO_ASYNC = ("--no-async-scheduling",)
 
+# P and D on one GPU are two CUDA contexts the GPU takes turns with; under one MPS server
+# their kernels share the SMs. CUDA_MPS_CLIENT_PRIORITY=1 (NVIDIA's MPS guide: 0 normal, 1
+# below normal) makes P's work yield to D's when both wait for SMs; with
+# CUDA_MPS_ACTIVE_THREAD_PERCENTAGE P's kernels never hold more than that share of them.
+MPS_LOW_PRIORITY_P = (("CUDA_MPS_CLIENT_PRIORITY", "1"),)
+MPS_SM60_P = (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "60"),)
+# P's steps cut at 2048 prompt tokens (vLLM's default on these GPUs: 8192), so that no step
+# of P's runs long beside D's
+SHORT_STEPS_P = ("--max-num-batched-tokens", "2048")
+
 
 @dataclass(frozen=True)
 class LoadFlavour:
@@ -234,6 +244,14 @@ class LoadFlavour:
     wire: str | None = None  # KVCACHED_PD_WIRE on both sides (None: kvcached-pd's default)
     prefill_args: tuple[str, ...] = ()  # vLLM serve flags of P alone (or of the one instance)
     decode_args: tuple[str, ...] = ()  # of D alone
+    # P's own environment on top of the mode's (MPS client settings: CUDA reads them when
+    # P's CUDA context connects to an MPS server and ignores them without one, so a flavour
+    # that sets them names MPS in needs_mps and the load harness refuses it without a server)
+    prefill_env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def needs_mps(self) -> bool:
+        return any(k.startswith("CUDA_MPS_") for k, _ in self.prefill_env)
 
 
 LOAD_FLAVOURS: dict[str, LoadFlavour] = {
@@ -261,6 +279,25 @@ LOAD_FLAVOURS: dict[str, LoadFlavour] = {
     "kvpd-push-sync": LoadFlavour("PD, kvcached-pd staged push, P and D "
                                   "--no-async-scheduling", "staged", "NixlPushConnector",
                                   prefill_args=NO_ASYNC, decode_args=NO_ASYNC),
+    # P shares the GPU with D under MPS, P an MPS client below D (MPS_LOW_PRIORITY_P) or
+    # held to part of the GPU's SMs (MPS_SM60_P), or with shorter steps
+    # (SHORT_STEPS_P): three ways to keep P's prefill from stretching D's decode steps
+    # beside it (1.1-1.7x one alone, 42-74% of D's steps, 2026-11-28e)
+    "kvpd-push-p-sync-lowprio": LoadFlavour(
+        "PD, kvcached-pd staged push, P --no-async-scheduling and an MPS client of "
+        "below-normal priority", "staged", "NixlPushConnector", prefill_args=NO_ASYNC,
+        prefill_env=MPS_LOW_PRIORITY_P),
+    "kvpd-push-p-sync-sm60": LoadFlavour(
+        "PD, kvcached-pd staged push, P --no-async-scheduling and an MPS client held to 60% "
+        "of the GPU's SMs", "staged", "NixlPushConnector", prefill_args=NO_ASYNC,
+        prefill_env=MPS_SM60_P),
+    "kvpd-push-p-sync-mbt2k": LoadFlavour(
+        "PD, kvcached-pd staged push, P --no-async-scheduling --max-num-batched-tokens 2048",
+        "staged", "NixlPushConnector", prefill_args=NO_ASYNC + SHORT_STEPS_P),
+    "vanilla-p-sync-lowprio": LoadFlavour(
+        "PD, vLLM without kvcached, P --no-async-scheduling and an MPS client of "
+        "below-normal priority", None, "NixlConnector", prefill_args=NO_ASYNC,
+        prefill_env=MPS_LOW_PRIORITY_P),
     # Not PD: one kvcached instance (kvcached's own patches, kvcached-pd off) serving the
     # load like the reference. Beside the vanilla reference it splits a PD mode's gap to
     # one instance into kvcached's own cost (pages mapped as KV grows) and kvcached-pd's.
@@ -291,7 +328,8 @@ def load_modes(names: list[str], layout: str = "contiguous") -> list[Mode]:
             f"kvcached-pd-{f.transport}-{layout}" + (f"-{f.wire}" if f.wire else "")
         env = load_env(f.transport, layout, f.wire)
         out.append(_pd(name, f.description,
-                       InstanceConfig(flavour, env, serve_args=f.prefill_args),
+                       InstanceConfig(flavour, {**env, **dict(f.prefill_env)},
+                                      serve_args=f.prefill_args),
                        InstanceConfig(flavour, env, serve_args=f.decode_args),
                        connector=f.connector))
     return out

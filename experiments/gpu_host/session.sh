@@ -45,7 +45,9 @@
 #   STEP.mps (not by default; colo-* steps) STEP with every CUDA process it starts (one
 #     instance, vanilla PD, kvcached-pd) a client of one MPS server of its own
 #     (gpu_host/with_mps.sh; the step's instances stay on the lane's GPU): P's and D's
-#     kernels may share the GPU instead of taking turns, e.g. colo-g.mps colo-d.mps
+#     kernels may share the GPU instead of taking turns, e.g. colo-g.mps colo-d.mps;
+#     COLO_B_LOAD_MODES_MPS, where set, replaces COLO_B_LOAD_MODES in these steps alone
+#     (e.g. kvpd-push-p-sync-lowprio, which the load harness refuses without MPS)
 #   colo-gs (not by default) colo-g with COLO_STAGING_MB=${SESSION_STAGING_MB:-6144} on the
 #     kvcached-pd instances: P's staging holding all eight 752 MiB extents of the TTFT
 #     batch (the default 4 GiB holds five; the rest wait for D's DONEs)
@@ -147,8 +149,12 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
     return
   fi
   if [[ "$step" == colo-*.mps ]]; then  # the step under an MPS server of its own
+    # COLO_B_LOAD_MODES_MPS: the loads' modes of .mps steps alone (modes whose P is an MPS
+    # client of a lower priority or SM share are refused without a server)
+    local modes=""
+    [ -n "${COLO_B_LOAD_MODES_MPS:-}" ] && modes="COLO_B_LOAD_MODES=$COLO_B_LOAD_MODES_MPS "
     echo "bash experiments/gpu_host/with_mps.sh $w bash -c" \
-         "$(printf %q "$(step_cmd "${step%.mps}" "$w")")"
+         "$(printf %q "$modes$(step_cmd "${step%.mps}" "$w")")"
     return
   fi
   case $step in

@@ -107,6 +107,45 @@ def test_p_sync_flavours_turn_off_async_scheduling_on_the_side_they_name_only():
     assert "--no-async-scheduling" not in pd_servers.serve_args(settings, 8000, 16, None)
 
 
+def test_p_side_flavours_change_p_alone_and_mps_ones_need_a_server(tmp_path, monkeypatch,
+                                                                   capsys):
+    """The P-side variants (MPS priority, MPS SM share, shorter steps) give P, and only P,
+    their setting over push P-sync; a flavour whose setting only an MPS server reads is
+    refused before any server starts where no MPS control daemon runs."""
+    names = ["kvpd-push-p-sync", "kvpd-push-p-sync-lowprio", "kvpd-push-p-sync-sm60",
+             "kvpd-push-p-sync-mbt2k", "vanilla-p-sync", "vanilla-p-sync-lowprio"]
+    modes = {m.name: m for m in pd_modes.load_modes(names)}
+    base = modes["kvpd-push-p-sync"]
+    for name, key, value in (("kvpd-push-p-sync-lowprio", "CUDA_MPS_CLIENT_PRIORITY", "1"),
+                             ("kvpd-push-p-sync-sm60", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+                              "60"),
+                             ("vanilla-p-sync-lowprio", "CUDA_MPS_CLIENT_PRIORITY", "1")):
+        m = modes[name]
+        assert m.prefill.env[key] == value and key not in m.decode.env
+        twin = modes["vanilla-p-sync" if name.startswith("vanilla") else "kvpd-push-p-sync"]
+        assert {k: v for k, v in m.prefill.env.items() if k != key} == twin.prefill.env
+        assert m.decode == twin.decode and m.prefill.serve_args == twin.prefill.serve_args
+        assert pd_modes.LOAD_FLAVOURS[name].needs_mps
+    short = modes["kvpd-push-p-sync-mbt2k"]
+    assert short.prefill.serve_args == ("--no-async-scheduling", "--max-num-batched-tokens",
+                                        "2048")
+    assert short.prefill.env == base.prefill.env and short.decode == base.decode
+    assert not pd_modes.LOAD_FLAVOURS["kvpd-push-p-sync-mbt2k"].needs_mps
+    # no control daemon in the pipe folder: refused, naming the modes and the way out
+    pipes = tmp_path / "pipes"
+    pipes.mkdir()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipes))
+    argv = ["--out", str(tmp_path), "--model", str(tmp_path), "--modes",
+            "kvpd-push-p-sync,kvpd-push-p-sync-lowprio"]
+    with pytest.raises(SystemExit):
+        pd_load.parse_args(argv)
+    err = capsys.readouterr().err
+    assert "kvpd-push-p-sync-lowprio" in err and "with_mps.sh" in err
+    pd_load.parse_args(argv[:-1] + ["kvpd-push-p-sync,kvpd-push-p-sync-mbt2k"])
+    (pipes / "nvidia-cuda-mps-control.pid").write_text("1\n")  # a daemon runs there
+    assert pd_load.parse_args(argv).modes[1] == "kvpd-push-p-sync-lowprio"
+
+
 def test_a_p_sync_mode_starts_p_with_the_flag_and_d_without(tmp_path):
     res, summary, out = _run_load(tmp_path, "--modes", "kvpd-staged-p-sync", "--repeats", "1")
     assert res.returncode == 0, res.stdout[-3000:]

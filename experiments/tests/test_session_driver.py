@@ -356,6 +356,14 @@ def test_a_colocated_step_named_mps_runs_under_the_lanes_own_mps_server(tmp_path
         plain = run(tmp_path, "dry", "abc123", SESSION_GPUS="2",
                     SESSION_PLAN=f"{lane} {step}").stdout.split(": ", 1)[1].strip()
         assert inner == plain.replace(f"/work/{step} ", f"/work/{step}.mps "), (inner, plain)
+    # COLO_B_LOAD_MODES_MPS: the .mps steps' own load modes, the plain steps keep theirs
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2", COLO_B_LOAD_MODES_MPS="a,b-lowprio",
+            SESSION_PLAN="T colo-h.mps;C colo-g")
+    lines = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in r.stdout.splitlines()}
+    inner = subprocess.run(["bash", "-c", "printf %s " + lines["T colo-h.mps"].split(
+        " bash -c ", 1)[1]], capture_output=True, text=True).stdout
+    assert inner.startswith("COLO_B_LOAD_MODES=a,b-lowprio KVPD_GPUS="), inner
+    assert "COLO_B_LOAD_MODES" not in lines["C colo-g"]
 
 
 WITH_MPS = os.path.join(os.path.dirname(HERE), "gpu_host", "with_mps.sh")
