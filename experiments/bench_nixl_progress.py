@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""What a NIXL agent's progress thread costs idle, and what waiting for UCX's events
+instead of spinning costs a notification and a READ: two agents in one process, on host
+memory (no GPU needed).
+
+usage: bench_nixl_progress.py {spin,wait,none} [--reads 5] [--mib 64]
+
+  spin  NIXL's Python default: the progress thread polls with no delay
+  wait  kvcached-pd's own agent (``region.build_nixl_agent``): the thread sleeps in
+        poll() on UCX's event descriptors, up to ``PROGRESS_WAIT_US``
+  none  no progress thread: progress only inside NIXL calls
+
+Prints the two agents' idle CPU (CPUs busy over 3 s of doing nothing), a notification's
+latency D -> P with P polling (p50, max over 50), and each READ's time by D of P's buffer
+while P makes no NIXL call (an idle prefill engine), stopped at 10 s. Run each mode in a
+process of its own (UCX_TLS=tcp,self makes the target's progress necessary for the READ).
+2026-11-28, this repository's machine (2 CPUs), NIXL 1.5.1, two runs of each
+(experiments/results/2026-11-28f-h200x2-session/nixl-progress-local.txt): spin 1.99 CPUs,
+notification 7-11 us, READ 3.5-10.8 ms (TCP 56-114); wait 0.03-0.04 CPUs, 19-30 us,
+3.7-4.2 ms (TCP 60-80); none: still waiting when a 60 s timeout ended it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build(name: str, mode: str):
+    from nixl import _api
+
+    if mode == "wait":
+        from kvcached_pd.connector.region import build_nixl_agent
+        return build_nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
+    return _api.nixl_agent(name, _api.nixl_agent_config(
+        enable_prog_thread=(mode == "spin"), backends=["UCX"]))
+
+
+def cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=("spin", "wait", "none"))
+    ap.add_argument("--reads", type=int, default=5)
+    ap.add_argument("--mib", type=int, default=64)
+    a = ap.parse_args()
+    import numpy as np
+
+    p, d = build("P", a.mode), build("D", a.mode)
+    src = np.ones(a.mib << 20, dtype=np.uint8)
+    dst = np.zeros(a.mib << 20, dtype=np.uint8)
+    p.register_memory(p.get_reg_descs([(src.ctypes.data, src.nbytes, 0, "")], "DRAM"))
+    d.register_memory(d.get_reg_descs([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM"))
+    d.add_remote_agent(p.get_agent_metadata())
+    p.add_remote_agent(d.get_agent_metadata())
+    time.sleep(0.5)
+    c0, w0 = cpu_s(), time.monotonic()
+    time.sleep(3)
+    idle = (cpu_s() - c0) / (time.monotonic() - w0)
+    lat = []
+    for i in range(50):
+        t0 = time.perf_counter()
+        d.send_notif("P", b"n%d" % i)
+        while not p.get_new_notifs().get("D"):
+            pass
+        lat.append((time.perf_counter() - t0) * 1e6)
+    reads = []
+    for _ in range(a.reads):
+        handle = d.initialize_xfer(
+            "READ", d.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM"),
+            p.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM"), "P", b"r")
+        t0 = time.perf_counter()
+        state = d.transfer(handle)
+        while state not in ("DONE", "ERR") and time.perf_counter() - t0 < 10:
+            state = d.check_xfer_state(handle)
+        reads.append(f"{(time.perf_counter() - t0) * 1e3:.1f} ms {state}")
+        d.release_xfer_handle(handle)
+    print(f"{a.mode}: idle {idle:.2f} CPUs (2 agents); notification p50 "
+          f"{statistics.median(lat):.0f} us, max {max(lat):.0f} us; READ {a.mib} MiB, "
+          f"P making no NIXL call: {', '.join(reads)}", flush=True)
+    os._exit(0)  # NIXL/UCX teardown may abort a process whose threads still run
+
+
+if __name__ == "__main__":
+    main()
