@@ -75,6 +75,7 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from load_checks import (ABSENT, FAIL, NA, PASS, check_alive, check_kv_loaded,
@@ -169,6 +170,7 @@ class LoadHarness:
         self.reference_ttft: dict[str, list[int]] = {}
         self.runs: dict[str, ModeRun] = {}
         self.notes: list[str] = []
+        self.frozen_counts: list[int] = []  # --freeze-others: processes stopped per pass
 
     # ---- instances -------------------------------------------------------------------
     def _instance(self, run: ModeRun, role: str, gpu: str) -> ManagedProcess:
@@ -680,6 +682,43 @@ class LoadHarness:
             f"p50 {lat['ttft_p50_ms']} ms, max {lat['ttft_max_ms']} ms, {lat['n']} ok")
         return {"latency": lat, "outputs": outputs, "requests": requests}
 
+    @contextmanager
+    def alone(self, run: ModeRun):
+        """With ``--freeze-others``: every other mode's servers and proxy stopped (SIGSTOP
+        to each one's process group: vLLM's engine process and threads with it) while
+        ``run`` is measured, continued afterwards, whatever happened.
+
+        Why: the harness keeps every mode's servers up, and an idle PD instance is not
+        idle to the host: each NIXL agent's progress thread spins one CPU (vLLM's in every
+        PD instance), so the other modes' instances held 8-16 of a lane's CPUs while one
+        mode ran (2026-11-28f: the host 56-95% busy during the loads). A deployment has
+        its own P and D, not ten idle ones beside them."""
+        if not self.a.freeze_others:
+            yield
+            return
+        frozen = []
+        for other in self.runs.values():
+            if other is run:
+                continue
+            for proc in [*other.instances.values(), other.proxy]:
+                live = getattr(proc, "proc", None)
+                if live is None or live.poll() is not None:
+                    continue
+                try:
+                    os.killpg(live.pid, signal.SIGSTOP)
+                except (ProcessLookupError, PermissionError):
+                    continue
+                frozen.append(live.pid)
+        self.frozen_counts.append(len(frozen))
+        try:
+            yield
+        finally:
+            for pid in frozen:
+                try:
+                    os.killpg(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
     # ---- the whole run ---------------------------------------------------------------
     def run(self) -> None:
         a = self.a
@@ -695,12 +734,14 @@ class LoadHarness:
             self.notes.append(f"the reference did not start ({ref.infra_error}): nothing to "
                               "compare with")
             return
-        self.run_reference(ref)
+        with self.alone(ref):
+            self.run_reference(ref)
         self.write()
         if a.ttft_batch:
             for run in [ref] + singles + pd_runs:
                 if run.broken is None and not self.deadline.expired(a.reserve_s + 30):
-                    run.ttft = self.ttft_batch(run)
+                    with self.alone(run):
+                        run.ttft = self.ttft_batch(run)
         steps: list[float] = []  # how long one repeat of one mode took, so far
         for index in range(1, a.repeats + 1):
             for run in singles + pd_runs:
@@ -712,7 +753,8 @@ class LoadHarness:
                                           "time (--deadline-s)")
                         continue
                     t0 = time.monotonic()
-                    run.repeats.append(self.single_repeat(run, index))
+                    with self.alone(run):
+                        run.repeats.append(self.single_repeat(run, index))
                     steps.append(time.monotonic() - t0)
                     self.write()
                     continue
@@ -730,8 +772,9 @@ class LoadHarness:
                                       "(--deadline-s)")
                     continue
                 t0 = time.monotonic()
-                rep = self.one_repeat(run, index, kill=bool(a.kill) and index == a.repeats,
-                                      final=final)
+                with self.alone(run):
+                    rep = self.one_repeat(run, index, kill=bool(a.kill) and index == a.repeats,
+                                          final=final)
                 steps.append(time.monotonic() - t0)
                 run.repeats.append(rep)
                 lat = rep["latency"]
@@ -843,7 +886,10 @@ class LoadHarness:
                         "prompt_tokens": [p.num_tokens for p in self.prompts],
                         "max_tokens": a.max_tokens,
                         "aborts": self.aborts.describe() if self.aborts else None,
-                        "kvcached_layout": a.kvcached_layout},
+                        "kvcached_layout": a.kvcached_layout,
+                        "frozen": {"passes": len(self.frozen_counts),
+                                   "processes_max": max(self.frozen_counts, default=0)}
+                        if a.freeze_others else None},
                "notes": self.notes, "modes": results}
         write_json(os.path.join(self.out, "summary.json"), doc)
         for name, run in self.runs.items():
@@ -922,7 +968,10 @@ def render_summary(doc: dict) -> str:
              f"load: {load['requests']} requests, {load['concurrency']} at a time, prompts "
              f"{min(load['prompt_tokens'], default=0)}-{max(load['prompt_tokens'], default=0)} "
              f"tokens, {load['max_tokens']} tokens out; aborts: {load['aborts'] or 'none'}; "
-             f"kvcached layout: {load['kvcached_layout']}", ""]
+             f"kvcached layout: {load['kvcached_layout']}"
+             + (f"; other modes' servers stopped while one is measured ({frozen['passes']} "
+                f"passes, up to {frozen['processes_max']} process groups)"
+                if (frozen := load.get("frozen")) else ""), ""]
     hdr = (f"{'mode':<14} {'verdict':<9} {'done/sent':>10} {'abort':>5} {'fail':>4} "
            f"{'diff':>4} {'dead':>4} {'staging':>8} {'fallbk P/D':>10} {'waits P/D':>9} "
            f"{'nixlF':>5} {'wire':>8} {'wireFB':>6}  checks")
@@ -1206,6 +1255,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--push-concurrent", action="store_true",
                     help="push modes: the proxy sends both legs at once, D's before P answered "
                          "(default: P first)")
+    ap.add_argument("--freeze-others", action="store_true",
+                    help="stop every other mode's servers (SIGSTOP) while one mode is "
+                         "measured, continue them after: the host then runs that mode's "
+                         "processes alone (idle NIXL agents spin a CPU each)")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="VLLM_BATCH_INVARIANT=1 on every instance: concurrent greedy outputs "
                          "independent of batch composition (else PD and the reference may "

@@ -122,6 +122,11 @@ GRAPH_ARGS=()
 # TTFT batch's waits for room, and what it costs an idle P
 STAGING_ARGS=()
 [ -n "${COLO_STAGING_MB:-}" ] && STAGING_ARGS=(--staging-mb "$COLO_STAGING_MB")
+# COLO_FREEZE_OTHERS=1: part b's loads stop every other mode's servers while one mode is
+# measured (pd_load.py --freeze-others): an idle PD instance's NIXL agents spin a CPU each,
+# and the other modes' instances held 8-16 of a lane's CPUs (2026-11-28f)
+FREEZE_ARGS=()
+[ "${COLO_FREEZE_OTHERS:-0}" = 1 ] && FREEZE_ARGS=(--freeze-others)
 PORT_ARGS=()
 if [ -n "${COLO_PORT_BASE:-}" ]; then
   PORT_ARGS=(--port-base "$COLO_PORT_BASE" --side-channel-port-base $((COLO_PORT_BASE + 200))
@@ -176,12 +181,12 @@ b)
         traffic kvbig $(( $(left) * share / 20 - (share == 20 ? 25 : 0) )) --model "$KVBIG" \
           --modes "$B_MODES" \
           --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 --settle-s 20 \
-          --expect-wire "$WIRE" --trace "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${GPU_ARGS[@]}" ;;
+          --expect-wire "$WIRE" --trace "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${FREEZE_ARGS[@]}" "${GPU_ARGS[@]}" ;;
       tiny)
         traffic tiny $(( $(left) - 25 )) --model "$TINY" \
           --modes "$B_MODES" \
           --push-concurrent --repeats 3 --settle-s 20 --expect-wire "$WIRE" --trace \
-          "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${GPU_ARGS[@]}" ;;
+          "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${FREEZE_ARGS[@]}" "${GPU_ARGS[@]}" ;;
       *) echo "COLO_B_MODELS: unknown model '$m' (kvbig, tiny)" >&2; exit 2 ;;
     esac
   done

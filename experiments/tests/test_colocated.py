@@ -362,6 +362,12 @@ def test_every_part_parses_with_the_harnesses_own_parsers(tmp_path, models):
                                          "vanilla-p-sync", "kvpd-staged-p-sync",
                                          "kvpd-push-p-sync", "kvpd-push"]
     assert kvbig.trace and tiny.trace  # the per-stage timeline of the TTFT gap
+    assert not kvbig.freeze_others and not tiny.freeze_others
+    # COLO_FREEZE_OTHERS=1: part b's loads run each mode with the others' servers stopped
+    frozen = [pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]])
+              for argv in _dry_run(tmp_path, "b", COLO_FREEZE_OTHERS="1", **models)
+              if any(x.endswith("traffic.sh") for x in argv)]
+    assert len(frozen) == 2 and all(a.freeze_others for a in frozen)
     (aborts,) = seen["d"]
     assert (aborts.abort_every, aborts.repeats) == (9, 5)
     killd, killp = seen["e"]

@@ -146,11 +146,95 @@ def test_p_side_flavours_change_p_alone_and_mps_ones_need_a_server(tmp_path, mon
     assert pd_load.parse_args(argv).modes[1] == "kvpd-push-p-sync-lowprio"
 
 
+def _state(pid: int, stopped: bool | None = None) -> str:
+    """A process's state letter ("T": stopped); with ``stopped`` given, the first state
+    within 2 s that is (True) or is not (False) "T": a signal takes effect asynchronously."""
+    deadline = time.monotonic() + 2
+    while True:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        if stopped is None or (state == "T") == stopped or time.monotonic() > deadline:
+            return state
+        time.sleep(0.02)
+
+
+def _children(pid: int) -> list[int]:
+    path = f"/proc/{pid}/task/{pid}/children"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        kids = [int(k) for k in open(path, encoding="utf-8").read().split()]
+        if kids:
+            return kids
+        time.sleep(0.05)
+    raise AssertionError(f"{pid} started no child")
+
+
+def test_freeze_others_stops_every_other_modes_process_groups_while_one_runs(tmp_path):
+    """--freeze-others: while one mode is measured, every process of the other modes'
+    servers and proxies (their whole process groups: a server's engine child too) is
+    stopped, and continued afterwards, also when the pass fails; without the option
+    nothing is stopped."""
+    def harness(*extra):
+        a = pd_load.parse_args(["--out", str(tmp_path), "--model", str(tmp_path), "--modes",
+                                "kvpd-staged,kvcached-single", "--no-environment", *extra])
+        h = pd_load.LoadHarness(a)
+        for mode in pd_modes.load_modes(a.modes):
+            h.runs[mode.name] = pd_load.ModeRun(mode)
+        return h
+
+    procs = []
+
+    def server() -> pd_servers.ManagedProcess:  # a shell with a child, in its own session
+        p = pd_servers.ManagedProcess("x", ["true"], {}, str(tmp_path / "x.log"), "")
+        p.proc = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], start_new_session=True)
+        procs.append(p.proc)
+        return p
+
+    try:
+        h = harness("--freeze-others")
+        runs = h.runs
+        runs["kvpd-staged"].instances = {"prefill": server(), "decode": server()}
+        runs["kvpd-staged"].proxy = server()
+        runs["kvcached-single"].instances = {"single": server()}
+        runs["reference"].instances = {"single": server()}
+        pd_pids = [p.proc.pid for p in [*runs["kvpd-staged"].instances.values(),
+                                         runs["kvpd-staged"].proxy]]
+        others = [runs[n].instances["single"].proc.pid for n in ("kvcached-single", "reference")]
+        every = {pid: _children(pid)[0] for pid in pd_pids + others}
+        with h.alone(runs["kvpd-staged"]):
+            for pid in others:
+                assert _state(pid, True) == "T" and _state(every[pid], True) == "T"
+            for pid in pd_pids:
+                assert _state(pid) != "T" and _state(every[pid]) != "T"
+        for pid, child in every.items():
+            assert _state(pid, False) != "T" and _state(child, False) != "T"
+        with pytest.raises(RuntimeError):
+            with h.alone(runs["reference"]):
+                assert all(_state(pid, True) == "T" for pid in pd_pids)
+                raise RuntimeError("the pass failed")
+        assert all(_state(pid, False) != "T" for pid in every)
+        assert h.frozen_counts == [2, 4]
+        plain = harness()
+        plain.runs = runs
+        with plain.alone(runs["kvpd-staged"]):
+            assert all(_state(pid, True) != "T" for pid in others)
+    finally:
+        for p in procs:
+            os.killpg(p.pid, 9)
+            p.wait()
+
+
 def test_a_p_sync_mode_starts_p_with_the_flag_and_d_without(tmp_path):
-    res, summary, out = _run_load(tmp_path, "--modes", "kvpd-staged-p-sync", "--repeats", "1")
+    """(With --freeze-others: the load passes with the other modes' servers stopped
+    while one mode runs, and the summary says so.)"""
+    res, summary, out = _run_load(tmp_path, "--modes", "kvpd-staged-p-sync", "--repeats", "1",
+                                  "--freeze-others")
     assert res.returncode == 0, res.stdout[-3000:]
     mode = summary["modes"]["kvpd-staged-p-sync"]
     assert mode["verdict"] == "PASS"
+    # two passes (the reference's, the mode's); the reference's stopped P, D and proxy
+    assert summary["load"]["frozen"] == {"passes": 2, "processes_max": 3}
+    assert "other modes' servers stopped" in (out / "summary.txt").read_text()
     assert mode["instances"]["prefill"]["serve_args"] == ["--no-async-scheduling"]
     assert mode["instances"]["decode"]["serve_args"] == []
     logs = out / "logs"
