@@ -51,6 +51,19 @@ def test_an_api_without_the_bindings_constructor_builds_the_agent_as_nixl_does(m
     assert region.build_nixl_agent("a", object()) == "a" and built == ["a"]
 
 
+def test_a_config_without_the_delay_field_still_builds_the_agent(monkeypatch):
+    """A NIXL whose agent config has no ``pthrDelay`` builds the agent as it would."""
+    class Strict:  # no such field, and none can be added (as on a pybind11 object)
+        __slots__ = ()
+
+    seen = []
+    monkeypatch.setattr(nixl_api.nixlBind, "nixlAgent",
+                        lambda name, config: seen.append((name, type(config))) or name)
+    monkeypatch.setattr(nixl_api, "nixl_agent",
+                        lambda name, config: nixl_api.nixlBind.nixlAgent(name, Strict()))
+    assert region.build_nixl_agent("old", object()) == "old" and seen == [("old", Strict)]
+
+
 def test_a_read_and_a_notification_complete_while_the_target_makes_no_nixl_call():
     """D READs from P's staging and sends P a notification while P's thread makes no NIXL
     call at all: only P's progress thread can serve P's side (over TCP UCX needs it).

@@ -53,7 +53,8 @@ def build_nixl_agent(name: str, config: Any) -> Any:
     NIXL's Python API has no parameter for the delay (it sets the C++ config's
     ``pthrDelay`` itself, to 0), so the bindings' agent constructor is wrapped for the
     duration of this one construction; the lock keeps two of ours from overlapping. An
-    API without that constructor builds the agent as NIXL does."""
+    API without that constructor, or a config without the field, builds the agent as
+    NIXL does."""
     from nixl import _api
 
     bindings = getattr(_api, "nixlBind", None)
@@ -62,7 +63,10 @@ def build_nixl_agent(name: str, config: Any) -> Any:
         return _api.nixl_agent(name, config)
 
     def waiting(agent_name: str, agent_config: Any) -> Any:
-        agent_config.pthrDelay = PROGRESS_WAIT_US
+        try:
+            agent_config.pthrDelay = PROGRESS_WAIT_US
+        except (AttributeError, TypeError):
+            pass  # a NIXL whose config lacks the field: its own progress, as before
         return make(agent_name, agent_config)
 
     with _BUILD_LOCK:
