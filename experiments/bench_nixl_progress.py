@@ -7,8 +7,8 @@ usage: bench_nixl_progress.py {spin,wait,none} [--reads 5] [--mib 64]
        bench_nixl_progress.py {spin,wait} --two-processes [--device cuda] [--mib 256]
 
   spin  NIXL's Python default: the progress thread polls with no delay
-  wait  kvcached-pd's own agent (``region.build_nixl_agent``): the thread sleeps in
-        poll() on UCX's event descriptors, up to ``PROGRESS_WAIT_US``
+  wait  the thread sleeps in poll() on UCX's event descriptors, up to
+        ``PROGRESS_WAIT_US`` (NIXL's pthrDelay)
   none  no progress thread: progress only inside NIXL calls
 
 Prints the two agents' idle CPU (CPUs busy over 3 s of doing nothing), a notification's
@@ -24,7 +24,10 @@ notification tells P, and each process's idle CPU is read from /proc over 3 s.
 2026-11-28, this repository's machine (2 CPUs), NIXL 1.5.1, two runs of each
 (experiments/results/2026-11-28f-h200x2-session/nixl-progress-local.txt): spin 1.99 CPUs,
 notification 7-11 us, READ 3.5-10.8 ms (TCP 56-114); wait 0.03-0.04 CPUs, 19-30 us,
-3.7-4.2 ms (TCP 60-80); none: still waiting when a 60 s timeout ended it.
+3.7-4.2 ms (TCP 60-80); none: still waiting when a 60 s timeout ended it. One H200, two
+processes, --device cuda --mib 256 (nixl-progress-gpu.txt): spin 1.00 CPUs a process,
+READ 430-460 ms (median 448); wait 0.01-0.02, 473-612 ms (median 566): on one GPU P's
+side of UCX's pipeline moves when its thread wakes, and a READ takes 1.27x as long.
 """
 
 from __future__ import annotations
@@ -35,15 +38,29 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROGRESS_WAIT_US = 1000
+
 
 
 def build(name: str, mode: str):
     from nixl import _api
 
     if mode == "wait":
-        from kvcached_pd.connector.region import build_nixl_agent
-        return build_nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
+        # NIXL's Python API has no parameter for the thread's delay (it sets the C++
+        # config's pthrDelay to 0 itself): its bindings' constructor is wrapped for this
+        # one construction
+        bindings = _api.nixlBind
+        make = bindings.nixlAgent
+
+        def waiting(agent_name, config):
+            config.pthrDelay = PROGRESS_WAIT_US
+            return make(agent_name, config)
+
+        bindings.nixlAgent = waiting
+        try:
+            return _api.nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            bindings.nixlAgent = make
     return _api.nixl_agent(name, _api.nixl_agent_config(
         enable_prog_thread=(mode == "spin"), backends=["UCX"]))
 

@@ -10,7 +10,6 @@ kvcached memory is never the remote side of a transfer.
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -28,54 +27,6 @@ logger = logging.getLogger("kvcached_pd")
 
 CHUNK_BYTES = 64 << 20  # one NIXL descriptor per 64 MiB of extent
 
-# NIXL's Python API builds every agent's progress thread with no delay between polls
-# (``nixl._api.nixl_agent`` sets ``pthrDelay = 0``): the thread calls ``poll()`` with a
-# zero timeout in a loop and holds one CPU at 100% for the agent's whole life, idle or not
-# (NIXL 1.5.1, two idle agents on host memory: 1.99 CPUs). A colocated host runs many
-# instances; each kvcached-pd worker would spin one CPU more than vLLM's own agent already
-# does (a GPU host of 2026-11-28f was 56-95% busy during the loads). With a delay the same
-# thread sleeps in ``poll()`` on UCX's event descriptors and wakes when a message arrives,
-# or after the delay at the latest: two idle agents 0.03-0.04 CPUs; a notification 19-30
-# us p50 (7-11 spinning); a 64 MiB READ whose target makes no NIXL call at all 3.7-4.2 ms
-# over shared memory (3.5-10.8 spinning) and 60-80 ms over TCP (56-114), where UCX needs
-# the target's own progress (experiments/bench_nixl_progress.py, 2026-11-28). A transfer's
-# state and the notifications are read as before, and each such call progresses UCX
-# itself. Without any progress thread the same pair hung: a READ whose target never calls
-# NIXL does not complete. Only kvcached-pd's own agent gets the delay; vLLM's is vLLM's.
-PROGRESS_WAIT_US = 1000
-_BUILD_LOCK = threading.Lock()
-
-
-def build_nixl_agent(name: str, config: Any) -> Any:
-    """``nixl_agent(name, config)`` whose progress thread waits up to
-    ``PROGRESS_WAIT_US`` for UCX's events instead of spinning.
-
-    NIXL's Python API has no parameter for the delay (it sets the C++ config's
-    ``pthrDelay`` itself, to 0), so the bindings' agent constructor is wrapped for the
-    duration of this one construction; the lock keeps two of ours from overlapping. An
-    API without that constructor, or a config without the field, builds the agent as
-    NIXL does."""
-    from nixl import _api
-
-    bindings = getattr(_api, "nixlBind", None)
-    make = getattr(bindings, "nixlAgent", None)
-    if make is None:
-        return _api.nixl_agent(name, config)
-
-    def waiting(agent_name: str, agent_config: Any) -> Any:
-        try:
-            agent_config.pthrDelay = PROGRESS_WAIT_US
-        except (AttributeError, TypeError):
-            pass  # a NIXL whose config lacks the field: its own progress, as before
-        return make(agent_name, agent_config)
-
-    with _BUILD_LOCK:
-        bindings.nixlAgent = waiting
-        try:
-            return _api.nixl_agent(name, config)
-        finally:
-            bindings.nixlAgent = make
-
 
 class StagingAgent:
     """This worker's own NIXL agent (not vLLM's): it registers only staging memory (the
@@ -83,14 +34,20 @@ class StagingAgent:
     loads P peers from their handshakes, posts READs and reads notifications."""
 
     def __init__(self, tensor: torch.Tensor, backends: tuple[str, ...] = ("UCX",)) -> None:
-        from nixl._api import nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = f"kvcached-pd-{uuid.uuid4()}"
         # Telemetry as vLLM's own agent has it: each READ's time on the wire is a metric.
-        # Its progress thread waits for UCX's events instead of spinning (build_nixl_agent).
+        # NIXL's progress thread as NIXL's Python API builds it: polling without pause, one
+        # CPU at 100% for the process's life. A thread that sleeps up to 1 ms on UCX's
+        # events instead (NIXL's pthrDelay) idles at 0.01 CPUs, but a READ of P's staging on
+        # one GPU whose P makes no NIXL call took 1.27x as long (256 MiB: 566 against 448 ms,
+        # medians; one H200, two processes, experiments/bench_nixl_progress.py, 2026-11-28):
+        # P's side of UCX's pipeline then moves only when the thread wakes. Kept as NIXL
+        # builds it until a lease measures what the waiting thread does to the loads.
         self.backends = list(backends)
-        self.agent = build_nixl_agent(self.name, nixl_agent_config(
-            backends=self.backends, capture_telemetry=True))
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=self.backends,
+                                                             capture_telemetry=True))
         self.memory_type = "VRAM" if tensor.is_cuda else "DRAM"
         self.device_id = (tensor.device.index or 0) if tensor.is_cuda else 0
         # what a peer READs from: the staging this agent offers (a decode-only worker's
