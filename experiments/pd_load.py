@@ -690,9 +690,9 @@ class LoadHarness:
 
         Why: the harness keeps every mode's servers up, and an idle PD instance is not
         idle to the host: each NIXL agent's progress thread spins one CPU (vLLM's in every
-        PD instance), so the other modes' instances held 8-16 of a lane's CPUs while one
-        mode ran (2026-11-28f: the host 56-95% busy during the loads). A deployment has
-        its own P and D, not ten idle ones beside them."""
+        PD instance), so the other modes' instances held 6-16 of a lane's CPUs (by
+        count) while one mode ran (2026-11-28f: the host 56-95% busy during the loads). A
+        deployment has its own P and D, not ten idle ones beside them."""
         if not self.a.freeze_others:
             yield
             return

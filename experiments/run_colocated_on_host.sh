@@ -124,7 +124,7 @@ STAGING_ARGS=()
 [ -n "${COLO_STAGING_MB:-}" ] && STAGING_ARGS=(--staging-mb "$COLO_STAGING_MB")
 # COLO_FREEZE_OTHERS=1: part b's loads stop every other mode's servers while one mode is
 # measured (pd_load.py --freeze-others): an idle PD instance's NIXL agents spin a CPU each,
-# and the other modes' instances held 8-16 of a lane's CPUs (2026-11-28f)
+# and the other modes' instances held 6-16 of a lane's CPUs, by count (2026-11-28f)
 FREEZE_ARGS=()
 [ "${COLO_FREEZE_OTHERS:-0}" = 1 ] && FREEZE_ARGS=(--freeze-others)
 PORT_ARGS=()
