@@ -38,6 +38,8 @@ import statistics
 import sys
 import time
 
+from host_cpu import tree_cpu_s  # experiments/ is this script's folder
+
 PROGRESS_WAIT_US = 1000
 
 
@@ -70,10 +72,16 @@ def cpu_s() -> float:
     return t.user + t.system
 
 
-def proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def timed_read(d, local, remote, peer: str, notif: bytes, limit_s: float) -> str:
+    """One READ by agent ``d`` of ``remote`` into ``local`` (NIXL descriptor lists),
+    polled until it ends or ``limit_s`` passes: "12.3 ms DONE"."""
+    handle = d.initialize_xfer("READ", local, remote, peer, notif)
+    t0 = time.perf_counter()
+    state = d.transfer(handle)
+    while state not in ("DONE", "ERR") and time.perf_counter() - t0 < limit_s:
+        state = d.check_xfer_state(handle)
+    d.release_xfer_handle(handle)
+    return f"{(time.perf_counter() - t0) * 1e3:.1f} ms {state}"
 
 
 def buffer(nbytes: int, device: str, fill: int):
@@ -132,22 +140,14 @@ def two_processes(a) -> None:
     peer = d.add_remote_agent(p["md"])
     peer = peer.decode() if isinstance(peer, bytes) else peer
     time.sleep(0.5)
-    c0 = (proc_cpu_s(os.getpid()), proc_cpu_s(child.pid))
+    c0 = (cpu_s(), tree_cpu_s(child.pid))
     w0 = time.monotonic()
     time.sleep(3)
     wall = time.monotonic() - w0
-    idle = [(proc_cpu_s(pid) - c) / wall for pid, c in zip((os.getpid(), child.pid), c0)]
-    reads = []
-    for i in range(a.reads):
-        handle = d.initialize_xfer("READ", d.get_xfer_descs([(addr, n, dev)], mem),
-                                   d.get_xfer_descs([(p["addr"], p["n"], p["dev"])], p["mem"]),
-                                   peer, b"r%d" % i)
-        t0 = time.perf_counter()
-        state = d.transfer(handle)
-        while state not in ("DONE", "ERR") and time.perf_counter() - t0 < 30:
-            state = d.check_xfer_state(handle)
-        reads.append(f"{(time.perf_counter() - t0) * 1e3:.1f} ms {state}")
-        d.release_xfer_handle(handle)
+    idle = [(cpu_s() - c0[0]) / wall, (tree_cpu_s(child.pid) - c0[1]) / wall]
+    local = d.get_xfer_descs([(addr, n, dev)], mem)
+    remote = d.get_xfer_descs([(p["addr"], p["n"], p["dev"])], p["mem"])
+    reads = [timed_read(d, local, remote, peer, b"r%d" % i, 30) for i in range(a.reads)]
     if a.device == "cuda":
         import torch
         ok = bool((keep == 7).all().item())
@@ -196,17 +196,9 @@ def main() -> None:
         while not p.get_new_notifs().get("D"):
             pass
         lat.append((time.perf_counter() - t0) * 1e6)
-    reads = []
-    for _ in range(a.reads):
-        handle = d.initialize_xfer(
-            "READ", d.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM"),
-            p.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM"), "P", b"r")
-        t0 = time.perf_counter()
-        state = d.transfer(handle)
-        while state not in ("DONE", "ERR") and time.perf_counter() - t0 < 10:
-            state = d.check_xfer_state(handle)
-        reads.append(f"{(time.perf_counter() - t0) * 1e3:.1f} ms {state}")
-        d.release_xfer_handle(handle)
+    local = d.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM")
+    remote = p.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM")
+    reads = [timed_read(d, local, remote, "P", b"r", 10) for _ in range(a.reads)]
     print(f"{a.mode}: idle {idle:.2f} CPUs (2 agents); notification p50 "
           f"{statistics.median(lat):.0f} us, max {max(lat):.0f} us; READ {a.mib} MiB, "
           f"P making no NIXL call: {', '.join(reads)}", flush=True)

@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXP = os.path.dirname(HERE)
 sys.path.insert(0, EXP)
 
+import gpu_memory  # noqa: E402
 import load_checks  # noqa: E402
 import load_client  # noqa: E402
 import pd_common  # noqa: E402
@@ -151,8 +152,7 @@ def _state(pid: int, stopped: bool | None = None) -> str:
     within 2 s that is (True) or is not (False) "T": a signal takes effect asynchronously."""
     deadline = time.monotonic() + 2
     while True:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+        state = gpu_memory.stat_fields(pid)[0]
         if stopped is None or (state == "T") == stopped or time.monotonic() > deadline:
             return state
         time.sleep(0.02)
