@@ -165,6 +165,10 @@ class TestNixlRegistration(PatchLifecycle):
     patch_name = "nixl_registration"
 
 
+class TestNixlHandshakeJoin(PatchLifecycle):
+    patch_name = "nixl_handshake_join"
+
+
 class TestPushPrefixAlignment(PatchLifecycle):
     patch_name = "push_prefix_alignment"
 

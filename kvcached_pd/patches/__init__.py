@@ -14,6 +14,7 @@ from kvcached_pd.patches.connector_metrics import ConnectorMetricsPatch
 from kvcached_pd.patches.connector_routing import ConnectorRoutingPatch
 from kvcached_pd.patches.kvcached_alloc import KvcachedAllocPatch, KvcachedMrv2AllocPatch
 from kvcached_pd.patches.kvcached_coexistence import KvcachedCoexistencePatch
+from kvcached_pd.patches.nixl_handshake_join import NixlHandshakeJoinPatch
 from kvcached_pd.patches.nixl_layout import NixlLayoutPatch
 from kvcached_pd.patches.nixl_registration import NixlRegistrationPatch
 from kvcached_pd.patches.push_prefix_alignment import PushPrefixAlignmentPatch
@@ -26,6 +27,7 @@ PATCHES: tuple[Patch, ...] = (
     KvcachedMrv2AllocPatch(),
     NixlLayoutPatch(),
     NixlRegistrationPatch(),
+    NixlHandshakeJoinPatch(),  # vLLM 0.20-0.31 pull reads (plain, and inside kvcached-pd's)
     PushPrefixAlignmentPatch(),  # vLLM's own per-block push (plain peers, direct transport)
     ConnectorMetricsPatch(),
 )

@@ -198,6 +198,7 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
+    arm_vllm_fixes()
     engine_id = f"{name}-{os.getpid()}-{time.monotonic_ns()}"
     config = connector_config(kv_role, block_size, num_blocks, staged, engine_id, inner, extra,
                               prefix_caching)
@@ -246,6 +247,19 @@ def make_engine(name: str, kv_role: str, block_size: int = 16, num_blocks: int =
         weakref.finalize(engine, _drain, executor)
     weakref.finalize(engine, _release_port, port)
     return engine
+
+
+def arm_vllm_fixes() -> None:
+    """vLLM's NIXL worker as kvcached-pd's activation leaves it in every instance it
+    serves: with the fix of vLLM's own handshake race (``nixl_handshake_join``), which
+    killed a decode step of this harness once (vLLM 0.30.0, CI, 2026-11-28). The other
+    patches concern kvcached's memory and are tested where that memory is stood in for.
+    Idempotent; a test that needs vLLM as shipped unpatches it itself."""
+    from kvcached_pd.patches import get_patch
+
+    patch = get_patch("nixl_handshake_join")
+    if patch.applies()[0] and not patch.is_patched():
+        patch.patch()
 
 
 def _handshake_executors(worker) -> list:

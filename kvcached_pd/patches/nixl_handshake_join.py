@@ -1,0 +1,93 @@
+"""Pull mode: a read queued by a NIXL handshake waits until that handshake's agents are stored.
+
+vLLM's pull worker (0.20-0.31) runs the NIXL handshake with a new prefill engine on a
+background thread. The handshake future's first callback stores the peer's agents in
+``_remote_agents`` (under ``_handshake_lock``); each request waiting on that peer adds
+a callback of its own that puts it in ``_ready_requests``, and ``start_load_kv`` reads
+whatever is queued. A request that adds its callback after the handshake has finished,
+but before the first callback has stored the agents (that callback waits for the lock
+the engine thread holds while it adds the request's, or has not run yet), is queued at
+once and read in the same step: ``_remote_agents[peer][(0, rank)]`` raises KeyError
+(``_remote_agents`` is a defaultdict, so the lookup also leaves an empty entry behind)
+and the decode instance's EngineCore dies. Seen once (vLLM 0.30.0, the project's CPU
+tests on a 2-core CI machine, 2026-11-28): the first request from a new prefill
+engine, handed to vLLM's connector after kvcached-pd's CUDA IPC load. vLLM 0.32 checks
+``_remote_agents`` first in ``_read_blocks_for_req`` and joins the handshake again (its
+queue spins in that step until the callback has run).
+
+The hook does what 0.32 does without the spin: a queued read whose peer's agents are
+not stored while its handshake is still registered is put back at the next
+``start_load_kv``; one whose peer has neither (evicted since) joins a new handshake.
+Everything else reaches vLLM's method unchanged.
+
+Fail-open: without it the decode instance can die on a first request from a new
+prefill engine (rarely: the handshake must finish inside that window), but no KV moves
+wrongly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from kvcached_pd import vllm_nixl
+from kvcached_pd.patches.base import Patch
+from kvcached_pd.versions import VersionRange
+
+logger = logging.getLogger("kvcached_pd")
+
+READ = "_read_blocks_for_req"
+START = "start_load_kv"
+# the worker's reads put back for its next start_load_kv (an instance attribute of ours)
+DEFERRED = "_kvcached_pd_reads_awaiting_agents"
+
+
+def _make_read_hook(original):
+    @functools.wraps(original)
+    def _read_blocks_for_req(self, req_id, meta):
+        engine_id = meta.remote.engine_id
+        with self._handshake_lock:
+            stored = engine_id in self._remote_agents  # ``in`` adds no entry
+            pending = engine_id in self._handshake_futures
+            if not stored and not pending:
+                # its peer was evicted after the read was queued: handshake again
+                self._background_nixl_handshake(req_id, engine_id, meta)
+                return None
+        if not stored:
+            self.__dict__.setdefault(DEFERRED, []).append((req_id, meta))
+            logger.debug("kvcached-pd: %s waits a step for the agents of %s (its NIXL "
+                         "handshake finished, its callback has not stored them yet)",
+                         req_id, engine_id)
+            return None
+        return original(self, req_id, meta)
+
+    return _read_blocks_for_req
+
+
+def _make_start_hook(original):
+    @functools.wraps(original)
+    def start_load_kv(self, *args, **kwargs):
+        for entry in self.__dict__.pop(DEFERRED, ()):
+            self._ready_requests.put(entry)
+        return original(self, *args, **kwargs)
+
+    return start_load_kv
+
+
+class NixlHandshakeJoinPatch(Patch):
+    name = "nixl_handshake_join"
+    summary = ("a pull read queued as its peer's NIXL handshake finishes waits until the "
+               "peer's agents are stored (the decode EngineCore died on a KeyError)")
+    target_module = vllm_nixl.NIXL_PACKAGE
+    vllm_range = VersionRange("0.20", "0.32")  # 0.32 checks the agents itself
+    fail_closed = False
+
+    def _apply(self) -> None:
+        owners = vllm_nixl.nixl_owners(vllm_nixl.worker_classes(), READ)
+        if not owners:
+            raise AttributeError(f"no NIXL worker defines {READ} in {vllm_nixl.NIXL_PACKAGE}")
+        for owner in owners:
+            if START not in vars(owner):
+                raise AttributeError(f"{owner.__qualname__} defines {READ} but not {START}")
+            self._replace(owner, READ, _make_read_hook(vars(owner)[READ]))
+            self._replace(owner, START, _make_start_hook(vars(owner)[START]))
