@@ -27,7 +27,7 @@ PATCHES: tuple[Patch, ...] = (
     KvcachedMrv2AllocPatch(),
     NixlLayoutPatch(),
     NixlRegistrationPatch(),
-    NixlHandshakeJoinPatch(),  # vLLM 0.20-0.31 pull reads (plain, and inside kvcached-pd's)
+    NixlHandshakeJoinPatch(),  # vLLM 0.20-0.30 pull reads (plain, and inside kvcached-pd's)
     PushPrefixAlignmentPatch(),  # vLLM's own per-block push (plain peers, direct transport)
     ConnectorMetricsPatch(),
 )

@@ -1,6 +1,6 @@
 """Pull mode: a read queued by a NIXL handshake waits until that handshake's agents are stored.
 
-vLLM's pull worker (0.20-0.31) runs the NIXL handshake with a new prefill engine on a
+vLLM's pull worker (0.20-0.30) runs the NIXL handshake with a new prefill engine on a
 background thread. The handshake future's first callback stores the peer's agents in
 ``_remote_agents`` (under ``_handshake_lock``); each request waiting on that peer adds
 a callback of its own that puts it in ``_ready_requests``, and ``start_load_kv`` reads
@@ -11,13 +11,16 @@ once and read in the same step: ``_remote_agents[peer][(0, rank)]`` raises KeyEr
 (``_remote_agents`` is a defaultdict, so the lookup also leaves an empty entry behind)
 and the decode instance's EngineCore dies. Seen once (vLLM 0.30.0, the project's CPU
 tests on a 2-core CI machine, 2026-11-28): the first request from a new prefill
-engine, handed to vLLM's connector after kvcached-pd's CUDA IPC load. vLLM 0.32 checks
-``_remote_agents`` first in ``_read_blocks_for_req`` and joins the handshake again (its
-queue spins in that step until the callback has run).
+engine, handed to vLLM's connector after kvcached-pd's CUDA IPC load. That hand-over
+is where it matters: on 0.30 the notify-only read (no block to read) is the only pull
+read that looks the agents up (block READs use the descriptors the handshake prepared),
+and vLLM's own requests reach it only when D's prefix cache holds the whole prompt,
+which it never reports for a dense model (at most all tokens but the last). vLLM 0.31 checks
+``_remote_agents`` for each queued read and joins the handshake again (the queue spins
+in that step until the callback has run); 0.32 checks in ``_read_blocks_for_req`` too.
 
-The hook does what 0.32 does without the spin: a queued read whose peer's agents are
-not stored while its handshake is still registered is put back at the next
-``start_load_kv``; one whose peer has neither (evicted since) joins a new handshake.
+The hook does the same without the spin: a read whose peer's agents are not stored
+while its handshake is still registered is put back at the next ``start_load_kv``.
 Everything else reaches vLLM's method unchanged.
 
 Fail-open: without it the decode instance can die on a first request from a new
@@ -49,11 +52,7 @@ def _make_read_hook(original):
         with self._handshake_lock:
             stored = engine_id in self._remote_agents  # ``in`` adds no entry
             pending = engine_id in self._handshake_futures
-            if not stored and not pending:
-                # its peer was evicted after the read was queued: handshake again
-                self._background_nixl_handshake(req_id, engine_id, meta)
-                return None
-        if not stored:
+        if not stored and pending:
             self.__dict__.setdefault(DEFERRED, []).append((req_id, meta))
             logger.debug("kvcached-pd: %s waits a step for the agents of %s (its NIXL "
                          "handshake finished, its callback has not stored them yet)",
@@ -79,7 +78,7 @@ class NixlHandshakeJoinPatch(Patch):
     summary = ("a pull read queued as its peer's NIXL handshake finishes waits until the "
                "peer's agents are stored (the decode EngineCore died on a KeyError)")
     target_module = vllm_nixl.NIXL_PACKAGE
-    vllm_range = VersionRange("0.20", "0.32")  # 0.32 checks the agents itself
+    vllm_range = VersionRange("0.20", "0.31")  # 0.31 checks the agents itself
     fail_closed = False
 
     def _apply(self) -> None:
