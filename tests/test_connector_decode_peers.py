@@ -5,7 +5,6 @@ agents on host memory, real listeners on loopback."""
 
 from __future__ import annotations
 
-import socket
 import time
 from types import SimpleNamespace
 
@@ -20,6 +19,7 @@ from kvcached_pd.connector.side_channel import HandshakeListener
 from kvcached_pd.connector.wire import WIRE_VERSION, StagedParams, WireError, format_hash
 from kvcached_pd.transport.format import PackedFormat
 from kvcached_pd.transport.staging import StagingBuffer
+from tests.support.dead_ports import dead_ports
 
 FMT = PackedFormat(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
 DIGEST = format_hash(FMT, 0, FMT.num_kv_heads)
@@ -41,12 +41,6 @@ def params(engine_id: str, port: int) -> StagedParams:
                         request_id="r-0a0b0c0d", host="127.0.0.1", port=port, tp_size=1,
                         offset=0, nbytes=4096, n_tok_slots=16, num_tokens=16, block_size=16,
                         lease_s=30.0, format_digest=DIGEST, token="0" * 32)
-
-
-def dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -93,7 +87,8 @@ def test_a_no_for_a_forged_host_does_not_stick_to_the_real_engine(peers):
     _, port = peers("E")
     probe = ClaimProbe(DIGEST, 1, timeout_s=0.3)
     try:
-        assert until_decided(probe, "E", dead_port())[0] == "no"
+        with dead_ports() as (dead,):
+            assert until_decided(probe, "E", dead)[0] == "no"
         assert until_decided(probe, "E", port) == ("yes", "")
     finally:
         probe.close()
@@ -115,12 +110,12 @@ def test_probes_of_dead_targets_do_not_hold_back_a_real_ps_verdict(peers):
     _, port = peers("E")
     probe = ClaimProbe(DIGEST, 1, timeout_s=3.0)
     try:
-        dead = [dead_port() for _ in range(5)]
-        for i, p in enumerate(dead):
-            assert probe.verdict(f"forged-{i}", "127.0.0.1", p)[0] == "wait"
-        assert until_decided(probe, "E", port) == ("yes", "")
-        assert "wait" in [probe.verdict(f"forged-{i}", "127.0.0.1", p)[0]
-                          for i, p in enumerate(dead)]
+        with dead_ports(5) as dead:
+            for i, p in enumerate(dead):
+                assert probe.verdict(f"forged-{i}", "127.0.0.1", p)[0] == "wait"
+            assert until_decided(probe, "E", port) == ("yes", "")
+            assert "wait" in [probe.verdict(f"forged-{i}", "127.0.0.1", p)[0]
+                              for i, p in enumerate(dead)]
     finally:
         probe.close()
 
@@ -129,13 +124,13 @@ def test_with_every_probe_worker_busy_a_new_target_is_not_held_back_nor_cached(p
     _, port = peers("E")
     probe = ClaimProbe(DIGEST, 1, timeout_s=1.0, workers=2)
     try:
-        dead = [dead_port() for _ in range(2)]
-        for i, p in enumerate(dead):
-            assert probe.verdict(f"forged-{i}", "127.0.0.1", p)[0] == "wait"
-        verdict, reason = probe.verdict("E", "127.0.0.1", port)
-        assert verdict == "no" and "being asked already" in reason
-        for i, p in enumerate(dead):
-            assert until_decided(probe, f"forged-{i}", p)[0] == "no"
+        with dead_ports(2) as dead:
+            for i, p in enumerate(dead):
+                assert probe.verdict(f"forged-{i}", "127.0.0.1", p)[0] == "wait"
+            verdict, reason = probe.verdict("E", "127.0.0.1", port)
+            assert verdict == "no" and "being asked already" in reason
+            for i, p in enumerate(dead):
+                assert until_decided(probe, f"forged-{i}", p)[0] == "no"
         # a worker is free: the real P is asked, not answered from a cached "no"
         assert until_decided(probe, "E", port) == ("yes", "")
     finally:

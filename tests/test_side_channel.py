@@ -15,6 +15,7 @@ from kvcached_pd.connector.side_channel import (
     HandshakeListener,
 )
 from kvcached_pd.connector.wire import Claim, ClaimReply, base_request_id
+from tests.support.dead_ports import dead_ports
 
 ENGINE = "p-engine"
 PARAMS = {"request_id": "cmpl-7-0-1a2b3c4d", "offset": 4096, "nbytes": 1 << 20}
@@ -126,14 +127,10 @@ def test_a_listener_without_claims_and_no_listener_at_all_fail_the_claim(threade
         client.submit("d-4", "127.0.0.1", listener.port, claim("r5"))
         error = wait_for(client, "d-4")
         assert isinstance(error, ConnectionError) and "stages no prefill" in str(error)
-        import socket
-
-        with socket.socket() as s:  # a port nobody listens on
-            s.bind(("127.0.0.1", 0))
-            dead = s.getsockname()[1]
-        t0 = time.monotonic()
-        client.submit("d-5", "127.0.0.1", dead, claim("r6"))
-        error = wait_for(client, "d-5", timeout_s=10)
+        with dead_ports() as (dead,):  # a port nobody listens on
+            t0 = time.monotonic()
+            client.submit("d-5", "127.0.0.1", dead, claim("r6"))
+            error = wait_for(client, "d-5", timeout_s=10)
         assert isinstance(error, TimeoutError)
         assert 0.3 + CLAIM_HOLD_S - 0.1 < time.monotonic() - t0 < 0.3 + CLAIM_HOLD_S + 2
     finally:
@@ -394,24 +391,18 @@ def test_a_hostile_listener_fails_its_claim_and_not_the_claim_thread(channel, re
 def test_sockets_to_dead_targets_are_closed(threaded):
     """One DEALER per request-supplied host:port, never closed: 300 dead targets left
     297 live sockets."""
-    import socket
-
     client = ClaimClient(timeout_s=0.1, threaded=threaded)
     try:
-        dead = []
-        for _ in range(20):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                dead.append(s.getsockname()[1])
-        for i, port in enumerate(dead):
-            client.submit(f"d-{i}", "127.0.0.1", port, claim(f"r{i}"))
-        results: dict = {}
-        deadline = time.monotonic() + 20
-        while len(results) < len(dead) and time.monotonic() < deadline:
-            results.update(client.take())
-            time.sleep(0.01)
+        with dead_ports(20) as dead:
+            for i, port in enumerate(dead):
+                client.submit(f"d-{i}", "127.0.0.1", port, claim(f"r{i}"))
+            results: dict = {}
+            deadline = time.monotonic() + 20
+            while len(results) < len(dead) and time.monotonic() < deadline:
+                results.update(client.take())
+                time.sleep(0.01)
         assert len(results) == len(dead)
-        assert all(isinstance(r, TimeoutError) for r in results.values())
+        assert all(isinstance(r, TimeoutError) for r in results.values()), results
         deadline = time.monotonic() + 5
         while client.open_sockets() and time.monotonic() < deadline:
             time.sleep(0.01)
