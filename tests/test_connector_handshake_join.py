@@ -19,38 +19,15 @@ import threading
 from concurrent.futures import Future
 
 import pytest
-import torch
 
 from kvcached_pd.patches import get_patch
 from tests.support import connector_pd as pd
-from tests.test_connector_pd import staged_env  # noqa: F401 (fixture)
+from tests.test_connector_pd import handoff, staged_env  # noqa: F401 (fixture)
+from tests.test_connector_untrusted import same_kv
 
 PROMPT = list(range(1, 41))
 OTHER = list(range(101, 141))
 PATCH = get_patch("nixl_handshake_join")
-
-
-def handoff(p, d, req_id, prompt):
-    """P prefills, D loads through the staged transport and decodes; (P's engine id,
-    P's blocks, D's blocks once loaded)."""
-    params = pd.prefilled(p, req_id, prompt)
-    ids = params["remote_block_ids"]
-    p_blocks = list(ids[0] if isinstance(ids[0], list) else ids)
-    d_id = "d-" + req_id
-    d.sched.add_request(pd.decode_request(d_id, prompt, params))
-    seen = {}
-
-    def finished():
-        req = d.sched.requests.get(d_id)
-        if req is not None and req.num_computed_tokens >= len(prompt) - 1 and not seen:
-            seen["blocks"] = d.blocks_of(d_id)
-        return d_id in d.outputs and d.outputs[d_id].finished
-    assert pd.run([p, d], finished), f"{d_id} never finished"
-    return params["remote_engine_id"], p_blocks, seen["blocks"]
-
-
-def same_kv(p, p_blocks, d, d_blocks, n) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(p.tokens(p_blocks, n), d.tokens(d_blocks, n)))
 
 
 def agents_stored_late(worker, engine_id: str, delay_s: float) -> threading.Thread:
@@ -88,8 +65,9 @@ def engines():
     runs it. (P, D, vLLM's worker in D, P's engine id.)"""
     p = pd.make_engine("p", "kv_producer", seed=71)
     d = pd.make_engine("d", "kv_consumer", seed=72)
-    engine_id, p_blocks, d_blocks = handoff(p, d, "j1", PROMPT)
+    params, p_blocks, d_blocks = handoff(p, d, "j1", PROMPT)
     assert same_kv(p, p_blocks, d, d_blocks, len(PROMPT))
+    engine_id = params["remote_engine_id"]
     worker = d.worker._inner.connector_worker
     assert pd.run([p, d], lambda: engine_id in worker._remote_agents, timeout_s=10)
     return p, d, worker, engine_id

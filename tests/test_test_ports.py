@@ -66,3 +66,30 @@ def test_a_port_another_process_holds_is_not_chosen(monkeypatch):
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
+
+
+def test_dead_ports_refuse_connections_and_cannot_be_taken_until_released():
+    """What the tests' dead targets rely on (``tests/support/dead_ports.py``): while held,
+    a connection is refused and a listener that asks for address reuse still cannot bind
+    the port; released, it can."""
+    import errno
+    import socket
+
+    import pytest
+
+    from tests.support.dead_ports import dead_ports
+
+    with dead_ports(3) as ports:
+        assert len(set(ports)) == 3
+        for port in ports:
+            with socket.socket() as client:
+                with pytest.raises(ConnectionRefusedError):
+                    client.connect(("127.0.0.1", port))
+            with socket.socket() as thief:
+                thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                with pytest.raises(OSError) as taken:
+                    thief.bind(("127.0.0.1", port))
+                assert taken.value.errno == errno.EADDRINUSE
+    with socket.socket() as after:
+        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        after.bind(("127.0.0.1", ports[0]))

@@ -30,11 +30,10 @@ wrongly.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 from kvcached_pd import vllm_nixl
-from kvcached_pd.patches.base import Patch
+from kvcached_pd.patches.base import Patch, wrap_hook
 from kvcached_pd.versions import VersionRange
 
 logger = logging.getLogger("kvcached_pd")
@@ -45,32 +44,24 @@ START = "start_load_kv"
 DEFERRED = "_kvcached_pd_reads_awaiting_agents"
 
 
-def _make_read_hook(original):
-    @functools.wraps(original)
-    def _read_blocks_for_req(self, req_id, meta):
-        engine_id = meta.remote.engine_id
-        with self._handshake_lock:
-            stored = engine_id in self._remote_agents  # ``in`` adds no entry
-            pending = engine_id in self._handshake_futures
-        if not stored and pending:
-            self.__dict__.setdefault(DEFERRED, []).append((req_id, meta))
-            logger.debug("kvcached-pd: %s waits a step for the agents of %s (its NIXL "
-                         "handshake finished, its callback has not stored them yet)",
-                         req_id, engine_id)
-            return None
-        return original(self, req_id, meta)
-
-    return _read_blocks_for_req
+def _read_when_agents_stored(original, self, req_id, meta):
+    engine_id = meta.remote.engine_id
+    with self._handshake_lock:
+        stored = engine_id in self._remote_agents  # ``in`` adds no entry
+        pending = engine_id in self._handshake_futures
+    if not stored and pending:
+        self.__dict__.setdefault(DEFERRED, []).append((req_id, meta))
+        logger.debug("kvcached-pd: %s waits a step for the agents of %s (its NIXL "
+                     "handshake finished, its callback has not stored them yet)",
+                     req_id, engine_id)
+        return None
+    return original(self, req_id, meta)
 
 
-def _make_start_hook(original):
-    @functools.wraps(original)
-    def start_load_kv(self, *args, **kwargs):
-        for entry in self.__dict__.pop(DEFERRED, ()):
-            self._ready_requests.put(entry)
-        return original(self, *args, **kwargs)
-
-    return start_load_kv
+def _requeue_deferred(original, self, *args, **kwargs):
+    for entry in self.__dict__.pop(DEFERRED, ()):
+        self._ready_requests.put(entry)
+    return original(self, *args, **kwargs)
 
 
 class NixlHandshakeJoinPatch(Patch):
@@ -88,5 +79,5 @@ class NixlHandshakeJoinPatch(Patch):
         for owner in owners:
             if START not in vars(owner):
                 raise AttributeError(f"{owner.__qualname__} defines {READ} but not {START}")
-            self._replace(owner, READ, _make_read_hook(vars(owner)[READ]))
-            self._replace(owner, START, _make_start_hook(vars(owner)[START]))
+            self._replace(owner, READ, wrap_hook(_read_when_agents_stored, vars(owner)[READ]))
+            self._replace(owner, START, wrap_hook(_requeue_deferred, vars(owner)[START]))
