@@ -67,6 +67,9 @@ STAGES = ("to_p", "p_queue", "p_step", "hop", "answer", "d_wait", "d_out", "ttft
           "kvpd", "kvpd_gpu")
 PROXY_STAGES = ("to_proxy", "proxy_p", "p_api", "d_sent", "d_first", "relay", "to_client")
 PROXY_PREFIX = "pd_proxy trace "
+# vLLM's start-up line naming an engine's token budget per step (its config's
+# max_num_batched_tokens), e.g. "Chunked prefill is enabled with max_num_batched_tokens=8192."
+BUDGET = re.compile(r"max_num_batched_tokens=(\d+)")
 
 
 def read_proxy_marks(path: str) -> dict[str, dict]:
@@ -161,7 +164,10 @@ def summarize(load_out: str, against: str = "kvcached-single") -> dict:
     events = trace_timeline.read_events(os.path.join(load_out, "logs"))
     modes_dir = os.path.join(load_out, "modes")
     out: dict = {"modes": {}, "against": None, "steps": step_periods(events),
-                 "beside": d_steps_beside_p(events)}
+                 "beside": d_steps_beside_p(events),
+                 "passes": passes_before_admit(events, {
+                     mode: prefill_budget(os.path.join(load_out, "logs", f"{mode}-prefill.log"))
+                     for mode in events})}
     for name in sorted(os.listdir(modes_dir)) if os.path.isdir(modes_dir) else ():
         if not name.endswith(".json"):
             continue
@@ -226,6 +232,59 @@ def d_steps_beside_p(events: dict[str, dict[str, list[dict]]]) -> dict[str, dict
     return out
 
 
+def prefill_budget(log_path: str) -> int | None:
+    """P's token budget per step as vLLM logged it at start-up, None where not logged."""
+    if not os.path.exists(log_path):
+        return None
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            m = BUDGET.search(line)
+            if m:
+                return int(m.group(1))
+    return None
+
+
+def passes_before_admit(events: dict[str, dict[str, list[dict]]],
+                        budgets: dict[str, int | None]) -> dict[str, dict]:
+    """{mode: {n, passed_over, full, not_full, admit_p50}}: P's scheduling passes that
+    went by a load request between its arrival (vLLM's ``arrival_time``, set by P's API
+    server) and the pass that admitted it (``p_admit``; a pass's ``step`` line is written
+    when it ends, after its admissions). ``full``: passes whose step held P's whole token
+    budget (``budgets[mode]``; None: unknown, not split), so that a request already queued
+    had no room; ``not_full``: passes with room, where the request had not reached P's
+    scheduler yet (the way from P's API server to its engine) or could not be scheduled
+    for another reason (its KV blocks). Why: P's queue (arrival to
+    the step that packs) is a PD request's largest stage on a tiny model (2026-11-28e:
+    38-53 ms of a 93-131 ms TTFT), and a P step is 13-18 ms: the passes tell which of the
+    two ways a request waits there."""
+    out = {}
+    for mode, roles in sorted(events.items()):
+        evs = roles.get("prefill", [])
+        passes = sorted((e["start"], e.get("tokens") or 0) for e in evs
+                        if e.get("ev") == "step" and e.get("start") is not None)
+        budget = budgets.get(mode)
+        n = passed = full = not_full = 0
+        waits = []
+        for e in evs:
+            if e.get("ev") != "p_admit" or e.get("since_arrival_ms") is None \
+                    or not CLIENT_ID.search(str(e.get("req", ""))):
+                continue
+            arrival = e["t"] - e["since_arrival_ms"] / 1e3
+            went_by = [tokens for start, tokens in passes if arrival < start < e["t"]]
+            n += 1
+            passed += bool(went_by)
+            if budget:
+                full += sum(1 for t in went_by if t >= budget)
+                not_full += sum(1 for t in went_by if t < budget)
+            waits.append(e["since_arrival_ms"])
+        if n:
+            out[mode] = {"n": n, "passed_over": passed, "budget": budget,
+                         "full": full if budget else None,
+                         "not_full": not_full if budget else None,
+                         "admit_p50": round(median(waits), 2)}
+    return out
+
+
 def _p50(cell: dict) -> str:
     return ("-" if cell["p50"] is None else f"{cell['p50']:.1f}") + f" ({cell['n']})"
 
@@ -263,6 +322,14 @@ def render(summary: dict) -> str:
         lines.append("D's step periods beside one of P's steps / alone, ms (p50 (n)): " +
                      "; ".join(f"{mode} {_p50(v['beside'])} / {_p50(v['alone'])}"
                                for mode, v in summary["beside"].items()))
+    if summary.get("passes"):
+        lines.append("P's scheduling passes that went by a request before admitting it (after "
+                     "its arrival at P's API server): requests passed over of n, passes with "
+                     "P's token budget full / with room, arrival -> admit p50 ms: " + "; ".join(
+                         f"{mode} {v['passed_over']} of {v['n']}, "
+                         + (f"{v['full']} / {v['not_full']} (budget {v['budget']})"
+                            if v["budget"] else "budget not logged")
+                         + f", {v['admit_p50']:.1f}" for mode, v in summary["passes"].items()))
     return "\n".join(lines) + "\n"
 
 

@@ -75,8 +75,12 @@ def test_the_stages_are_consecutive_and_sum_to_the_clients_ttft(tmp_path, monkey
     assert ref["name"] == "kvcached-single" and ref["n"] == 2
     assert ref["ttft"] == pytest.approx(55.0) and ref["tail"] == pytest.approx(55.0)
     assert summary["steps"] == {"kvpd-push prefill": {"n": 1, "p50": 17.0, "p90": 17.0}}
+    # P admitted the request in the first pass after its arrival; its log names no budget
+    assert summary["passes"] == {"kvpd-push": {"n": 1, "passed_over": 0, "budget": None,
+                                               "full": None, "not_full": None,
+                                               "admit_p50": 6.0}}
     text = critical_path.render(summary)
-    assert "kvpd-push" in text and text.splitlines()[-2].endswith("25.0")  # +ttft: 80 - 55
+    assert "kvpd-push" in text and text.splitlines()[-3].endswith("25.0")  # +ttft: 80 - 55
 
 
 def test_a_stage_follows_its_events(tmp_path, monkeypatch):
@@ -90,7 +94,7 @@ def test_a_stage_follows_its_events(tmp_path, monkeypatch):
 def test_no_traces_is_said_not_rendered_as_zeros(tmp_path):
     (tmp_path / "logs").mkdir()
     summary = critical_path.summarize(str(tmp_path))
-    assert summary == {"modes": {}, "against": None, "steps": {}, "beside": {}}
+    assert summary == {"modes": {}, "against": None, "steps": {}, "beside": {}, "passes": {}}
     assert "no traced PD requests" in critical_path.render(summary)
 
 
@@ -115,7 +119,7 @@ def test_the_proxys_marks_split_the_way_to_p_and_ds_way_out(tmp_path, monkeypatc
     assert m["to_proxy"] + m["proxy_p"] + m["p_api"] == pytest.approx(m["to_p"], abs=1e-3)
     assert m["d_first"] + m["relay"] + m["to_client"] == pytest.approx(m["d_out"], abs=1e-3)
     text = critical_path.render(summary)
-    assert "The proxy's marks" in text and text.splitlines()[-2].split()[1:] == \
+    assert "The proxy's marks" in text and text.splitlines()[-3].split()[1:] == \
         ["1.0", "1.5", "1.5", "0.5", "15.0", "1.0", "9.0"]
     # without the proxy's lines there is no such table
     (out / "logs" / "kvpd-push-proxy.log").unlink()
@@ -153,3 +157,42 @@ def test_ds_steps_are_split_by_whether_one_of_ps_steps_ran_beside_them(tmp_path,
                "against": None, "steps": {}, "beside": got}
     assert critical_path.render(summary).splitlines()[-1].endswith(
         "kvpd-push 6.5 (2) / 4.0 (3)")
+
+
+def test_ps_passes_that_went_by_a_request_are_counted_full_or_with_room(tmp_path,
+                                                                        monkeypatch):
+    """A request that arrived (P's API server) at 20.000 and was admitted at 20.040: P's
+    passes ending at 20.010 (budget full) and 20.025 (room) went by it, the one ending
+    before its arrival and the admitting one (its step line comes after the admission)
+    did not. A second request admitted by the first pass after its arrival was passed over
+    by none. The budget is read from vLLM's start-up line in P's log."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log = logs / "kvpd-push-prefill.log"
+    write_log(log, [
+        (19.995, "step", "", {"start": 19.990, "until_next_ms": 5.0, "tokens": 100, "reqs": 1}),
+        (20.011, "step", "", {"start": 20.010, "until_next_ms": 15.0, "tokens": 4096,
+                              "reqs": 2}),
+        (20.026, "step", "", {"start": 20.025, "until_next_ms": 16.0, "tokens": 300, "reqs": 1}),
+        (20.040, "p_admit", f"cmpl-{CID}-0", {"bytes": 1, "since_arrival_ms": 40.0}),
+        (20.040, "p_admit", f"cmpl-{OTHER}-0", {"bytes": 1, "since_arrival_ms": 10.0}),
+        (20.041, "step", "", {"start": 20.041, "until_next_ms": 9.0, "tokens": 900, "reqs": 2}),
+    ], monkeypatch)
+    with open(log, "a") as f:
+        f.write("(EngineCore pid=1) INFO 11-21 10:00:00 [arg_utils.py:1] Chunked prefill is "
+                "enabled with max_num_batched_tokens=4096.\n")
+    assert critical_path.prefill_budget(str(log)) == 4096
+    assert critical_path.prefill_budget(str(logs / "none-prefill.log")) is None
+    events = critical_path.trace_timeline.read_events(str(logs))
+    got = critical_path.passes_before_admit(events, {"kvpd-push": 4096})
+    assert got == {"kvpd-push": {"n": 2, "passed_over": 1, "budget": 4096, "full": 1,
+                                 "not_full": 1, "admit_p50": 25.0}}
+    # no budget known: the passes are counted, not split
+    unknown = critical_path.passes_before_admit(events, {})["kvpd-push"]
+    assert (unknown["passed_over"], unknown["full"], unknown["not_full"]) == (1, None, None)
+    summary = {"modes": {"kvpd-push": {s: 1.0 for s in critical_path.STAGES} | {"n": 1}},
+               "against": None, "steps": {}, "beside": {}, "passes": got}
+    assert critical_path.render(summary).splitlines()[-1].endswith(
+        "kvpd-push 1 of 2, 1 / 1 (budget 4096), 25.0")
+    # summarize reads the budget from each mode's P log
+    assert critical_path.summarize(str(tmp_path))["passes"] == got
