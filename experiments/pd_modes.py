@@ -234,6 +234,10 @@ MPS_SM60_P = (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "60"),)
 # P's steps cut at 2048 prompt tokens (vLLM's default on these GPUs: 8192), so that no step
 # of P's runs long beside D's
 SHORT_STEPS_P = ("--max-num-batched-tokens", "2048")
+# ... or twice vLLM's default: 2026-11-28g's traces (critical_path.py's passes line) found
+# 62-79% of tiny's requests passed over by one or more of P's scheduling passes after their
+# arrival, 29-55% of those passes with P's 8192 tokens all taken
+LONG_STEPS_P = ("--max-num-batched-tokens", "16384")
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,9 @@ LOAD_FLAVOURS: dict[str, LoadFlavour] = {
     "kvpd-push-p-sync-mbt2k": LoadFlavour(
         "PD, kvcached-pd staged push, P --no-async-scheduling --max-num-batched-tokens 2048",
         "staged", "NixlPushConnector", prefill_args=NO_ASYNC + SHORT_STEPS_P),
+    "kvpd-push-p-sync-mbt16k": LoadFlavour(
+        "PD, kvcached-pd staged push, P --no-async-scheduling --max-num-batched-tokens 16384",
+        "staged", "NixlPushConnector", prefill_args=NO_ASYNC + LONG_STEPS_P),
     "vanilla-p-sync-lowprio": LoadFlavour(
         "PD, vLLM without kvcached, P --no-async-scheduling and an MPS client of "
         "below-normal priority", None, "NixlConnector", prefill_args=NO_ASYNC,

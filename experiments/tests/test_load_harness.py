@@ -114,7 +114,8 @@ def test_p_side_flavours_change_p_alone_and_mps_ones_need_a_server(tmp_path, mon
     their setting over push P-sync; a flavour whose setting only an MPS server reads is
     refused before any server starts where no MPS control daemon runs."""
     names = ["kvpd-push-p-sync", "kvpd-push-p-sync-lowprio", "kvpd-push-p-sync-sm60",
-             "kvpd-push-p-sync-mbt2k", "vanilla-p-sync", "vanilla-p-sync-lowprio"]
+             "kvpd-push-p-sync-mbt2k", "kvpd-push-p-sync-mbt16k", "vanilla-p-sync",
+             "vanilla-p-sync-lowprio"]
     modes = {m.name: m for m in pd_modes.load_modes(names)}
     base = modes["kvpd-push-p-sync"]
     for name, key, value in (("kvpd-push-p-sync-lowprio", "CUDA_MPS_CLIENT_PRIORITY", "1"),
@@ -127,11 +128,13 @@ def test_p_side_flavours_change_p_alone_and_mps_ones_need_a_server(tmp_path, mon
         assert {k: v for k, v in m.prefill.env.items() if k != key} == twin.prefill.env
         assert m.decode == twin.decode and m.prefill.serve_args == twin.prefill.serve_args
         assert pd_modes.LOAD_FLAVOURS[name].needs_mps
-    short = modes["kvpd-push-p-sync-mbt2k"]
-    assert short.prefill.serve_args == ("--no-async-scheduling", "--max-num-batched-tokens",
-                                        "2048")
-    assert short.prefill.env == base.prefill.env and short.decode == base.decode
-    assert not pd_modes.LOAD_FLAVOURS["kvpd-push-p-sync-mbt2k"].needs_mps
+    for name, budget in (("kvpd-push-p-sync-mbt2k", "2048"),
+                         ("kvpd-push-p-sync-mbt16k", "16384")):
+        m = modes[name]
+        assert m.prefill.serve_args == ("--no-async-scheduling", "--max-num-batched-tokens",
+                                        budget)
+        assert m.prefill.env == base.prefill.env and m.decode == base.decode
+        assert not pd_modes.LOAD_FLAVOURS[name].needs_mps
     # no control daemon in the pipe folder: refused, naming the modes and the way out
     pipes = tmp_path / "pipes"
     pipes.mkdir()
