@@ -10,6 +10,7 @@ from kvcached_pd import config
 from kvcached_pd.versions import installed_version, parse_release
 
 from tests.support import nixl_quiet
+from tests.support.thread_stacks import thread_stacks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 nixl_quiet.arm()  # NIXL's progress threads poll every 1 ms, not in a busy loop
@@ -47,6 +48,16 @@ def pytest_unconfigure(config):
     (``nixl_quiet.exit_without_teardown`` says why)."""
     if _EXIT_STATUS:
         nixl_quiet.exit_without_teardown(_EXIT_STATUS[-1])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report shows every live thread's stack at the failure
+    (``thread_stacks`` says why)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        report.sections.append(("live threads at the failure", thread_stacks()))
 
 
 @pytest.fixture(autouse=True)

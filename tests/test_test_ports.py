@@ -93,3 +93,38 @@ def test_dead_ports_refuse_connections_and_cannot_be_taken_until_released():
     with socket.socket() as after:
         after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         after.bind(("127.0.0.1", ports[0]))
+
+
+def test_a_failing_tests_report_shows_each_live_threads_stack():
+    """The conftest hook adds the live threads' stacks to a failed call's report, and to
+    nothing else: a thread blocked in a function of its own is named with that function."""
+    import threading
+    import types
+
+    from tests import conftest
+
+    release = threading.Event()
+
+    def held_by_the_test_of_thread_stacks():
+        release.wait(30)
+
+    worker = threading.Thread(target=held_by_the_test_of_thread_stacks, name="held-thread")
+    worker.start()
+    try:
+        reports = {}
+        for when, failed in (("call", True), ("call", False), ("setup", True)):
+            report = types.SimpleNamespace(when=when, failed=failed, sections=[])
+            hook = conftest.pytest_runtest_makereport(None, None)
+            next(hook)
+            try:
+                hook.send(types.SimpleNamespace(get_result=lambda report=report: report))
+            except StopIteration:
+                pass
+            reports[(when, failed)] = report.sections
+    finally:
+        release.set()
+        worker.join()
+    (title, text), = reports[("call", True)]
+    assert title == "live threads at the failure"
+    assert "'held-thread'" in text and "held_by_the_test_of_thread_stacks" in text
+    assert reports[("call", False)] == [] and reports[("setup", True)] == []
