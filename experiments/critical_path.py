@@ -247,16 +247,19 @@ def prefill_budget(log_path: str) -> int | None:
 def passes_before_admit(events: dict[str, dict[str, list[dict]]],
                         budgets: dict[str, int | None]) -> dict[str, dict]:
     """{mode: {n, passed_over, full, not_full, admit_p50}}: P's scheduling passes that
-    went by a load request between its arrival (vLLM's ``arrival_time``, set by P's API
-    server) and the pass that admitted it (``p_admit``; a pass's ``step`` line is written
-    when it ends, after its admissions). ``full``: passes whose step held P's whole token
-    budget (``budgets[mode]``; None: unknown, not split), so that a request already queued
-    had no room; ``not_full``: passes with room, where the request had not reached P's
+    went by a client request (a ``load-...`` id: the load's and its warm-up's) between
+    its arrival (vLLM's ``arrival_time``, set by P's API server) and the pass that
+    admitted it (``p_admit``; a pass's ``step`` line is written when it ends, after its
+    admissions). ``full``: passes whose step held P's whole token budget
+    (``budgets[mode]``; None: unknown, not split), so that a request already queued had
+    no room; ``not_full``: passes with room, where the request had not reached P's
     scheduler yet (the way from P's API server to its engine) or could not be scheduled
-    for another reason (its KV blocks). Why: P's queue (arrival to
-    the step that packs) is a PD request's largest stage on a tiny model (2026-11-28e:
-    38-53 ms of a 93-131 ms TTFT), and a P step is 13-18 ms: the passes tell which of the
-    two ways a request waits there."""
+    for another reason (its KV blocks); the traces do not say which.
+
+    Why: P's queue (arrival to the step that packs) is a PD request's largest stage on a
+    tiny model (2026-11-28e: 38-53 ms of a 93-131 ms TTFT) while a P step is 13-21 ms.
+    Read from 2026-11-28g's sixteen traced tiny loads: 62-79% of the requests were passed
+    over by one or more passes, 29-55% of those passes full."""
     out = {}
     for mode, roles in sorted(events.items()):
         evs = roles.get("prefill", [])
