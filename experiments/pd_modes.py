@@ -236,7 +236,11 @@ MPS_SM60_P = (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "60"),)
 SHORT_STEPS_P = ("--max-num-batched-tokens", "2048")
 # ... or twice vLLM's default: 2026-11-28g's traces (critical_path.py's passes line) found
 # 62-79% of tiny's requests passed over by one or more of P's scheduling passes after their
-# arrival, 29-55% of those passes with P's 8192 tokens all taken
+# arrival, 29-55% of those passes with P's 8192 tokens all taken. The budget also sizes
+# P's default staging (kvcached_pd/transport/sizing.py: max(2 x max_model_len, 2 x
+# max_num_batched_tokens of KV, 2 GiB) within the KV budget): kvbig's P (256 KiB a token)
+# then offers 8 GiB instead of 4, so a kvbig run measures both; tiny's P (32 KiB a token)
+# stays at the 2 GiB floor
 LONG_STEPS_P = ("--max-num-batched-tokens", "16384")
 
 

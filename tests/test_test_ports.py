@@ -5,14 +5,22 @@ waits forever)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import types
+
+import pytest
 
 from kvcached_pd.connector.side_channel import claim_port
+from tests import conftest
 from tests.support import connector_pd
+from tests.support.dead_ports import dead_ports
 
 
 def test_ports_never_meet_claim_ports_and_stay_below_the_ephemeral_range():
@@ -72,13 +80,6 @@ def test_dead_ports_refuse_connections_and_cannot_be_taken_until_released():
     """What the tests' dead targets rely on (``tests/support/dead_ports.py``): while held,
     a connection is refused and a listener that asks for address reuse still cannot bind
     the port; released, it can."""
-    import errno
-    import socket
-
-    import pytest
-
-    from tests.support.dead_ports import dead_ports
-
     with dead_ports(3) as ports:
         assert len(set(ports)) == 3
         for port in ports:
@@ -98,11 +99,6 @@ def test_dead_ports_refuse_connections_and_cannot_be_taken_until_released():
 def test_a_failing_tests_report_shows_each_live_threads_stack():
     """The conftest hook adds the live threads' stacks to a failed call's report, and to
     nothing else: a thread blocked in a function of its own is named with that function."""
-    import threading
-    import types
-
-    from tests import conftest
-
     release = threading.Event()
 
     def held_by_the_test_of_thread_stacks():
