@@ -241,6 +241,9 @@ SHORT_STEPS_P = ("--max-num-batched-tokens", "2048")
 # max_num_batched_tokens of KV, 2 GiB) within the KV budget): kvbig's P (256 KiB a token)
 # then offers 8 GiB instead of 4, so a kvbig run measures both; tiny's P (32 KiB a token)
 # stays at the 2 GiB floor
+# Measured (2026-11-29, one H200, tiny, two runs): full passes 90-102 -> 21-37 a run, but
+# P's arrival-to-admit unchanged (24-27 ms) and P's steps longer: e2e p50 1.04-1.05x of
+# kvpd-push-p-sync's. Kept as a negative result; not advised
 LONG_STEPS_P = ("--max-num-batched-tokens", "16384")
 
 
