@@ -51,6 +51,7 @@ to about the median TTFT (not exactly: medians of parts).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import re
@@ -165,6 +166,7 @@ def summarize(load_out: str, against: str = "kvcached-single") -> dict:
     modes_dir = os.path.join(load_out, "modes")
     out: dict = {"modes": {}, "against": None, "steps": step_periods(events),
                  "beside": d_steps_beside_p(events),
+                 "first_forward": d_steps_first_forward(events),
                  "passes": passes_before_admit(events, {
                      mode: prefill_budget(os.path.join(load_out, "logs", f"{mode}-prefill.log"))
                      for mode in events})}
@@ -228,6 +230,37 @@ def d_steps_beside_p(events: dict[str, dict[str, list[dict]]]) -> dict[str, dict
             beside = any(ps < end and pe > start for ps, pe in p_spans)
             split["beside" if beside else "alone"].append(1e3 * (end - start))
         out[mode] = {k: {"n": len(v), "p50": round(median(v), 2) if v else None}
+                     for k, v in split.items()}
+    return out
+
+
+def d_steps_first_forward(events: dict[str, dict[str, list[dict]]]) -> dict[str, dict]:
+    """{mode: {"first": {n, p50, p90}, "other": {n, p50, p90}}}: D's step periods split by
+    whether the step runs a loaded request's own first forward (a ``d_compute_scheduled``
+    line from its start to the next scheduling: both are written while D's scheduler builds
+    the step, the ``step`` line's start first). Such a step is on every PD request's way to
+    its first token (``d_out``), so a cost that only these steps pay (the unpack, the new
+    request's inputs, kvcached mapping its pages) shows here and not in the others.
+
+    Why: 2026-11-29, one H200, P and D on it, push P-sync: vLLM 0.26.0's D ran these
+    steps in 5.0-6.4 ms p50 (tiny) and 4.9 (kvbig) against 3.2-3.8 for its other steps;
+    vLLM 0.30.0's (Model Runner V2) in 9.1-11.2 (tiny) and 17.8 (kvbig) against 3.5-4.3,
+    and its PD loads were 1.39-1.47x one kvcached instance where 0.26.0's were 1.04-1.18x
+    (``experiments/results/2026-11-29b-h200-vllm030-session/``)."""
+    out = {}
+    for mode, roles in sorted(events.items()):
+        evs = roles.get("decode", [])
+        spans = _step_spans(evs)
+        firsts = sorted(e["t"] for e in evs if e.get("ev") == "d_compute_scheduled")
+        if not spans or not firsts:
+            continue
+        split: dict[str, list[float]] = {"first": [], "other": []}
+        for start, end in spans:
+            i = bisect.bisect_left(firsts, start)
+            first = i < len(firsts) and firsts[i] < end
+            split["first" if first else "other"].append(1e3 * (end - start))
+        out[mode] = {k: {"n": len(v), "p50": round(median(v), 2) if v else None,
+                         "p90": round(percentile(sorted(v), 0.9), 2) if v else None}
                      for k, v in split.items()}
     return out
 
@@ -325,6 +358,11 @@ def render(summary: dict) -> str:
         lines.append("D's step periods beside one of P's steps / alone, ms (p50 (n)): " +
                      "; ".join(f"{mode} {_p50(v['beside'])} / {_p50(v['alone'])}"
                                for mode, v in summary["beside"].items()))
+    if summary.get("first_forward"):
+        lines.append("D's step periods with a loaded request's first forward / without, ms "
+                     "(p50 (n)): " + "; ".join(
+                         f"{mode} {_p50(v['first'])} / {_p50(v['other'])}"
+                         for mode, v in summary["first_forward"].items()))
     if summary.get("passes"):
         lines.append("P's scheduling passes that went by a request before admitting it (after "
                      "its arrival at P's API server): requests passed over of n, passes with "

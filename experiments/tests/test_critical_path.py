@@ -94,7 +94,8 @@ def test_a_stage_follows_its_events(tmp_path, monkeypatch):
 def test_no_traces_is_said_not_rendered_as_zeros(tmp_path):
     (tmp_path / "logs").mkdir()
     summary = critical_path.summarize(str(tmp_path))
-    assert summary == {"modes": {}, "against": None, "steps": {}, "beside": {}, "passes": {}}
+    assert summary == {"modes": {}, "against": None, "steps": {}, "beside": {},
+                       "first_forward": {}, "passes": {}}
     assert "no traced PD requests" in critical_path.render(summary)
 
 
@@ -157,6 +158,40 @@ def test_ds_steps_are_split_by_whether_one_of_ps_steps_ran_beside_them(tmp_path,
                "against": None, "steps": {}, "beside": got}
     assert critical_path.render(summary).splitlines()[-1].endswith(
         "kvpd-push 6.5 (2) / 4.0 (3)")
+
+
+def test_ds_steps_are_split_by_whether_they_run_a_loaded_requests_first_forward(
+        tmp_path, monkeypatch):
+    """D's steps 10.000 (+8 ms: two requests' first forwards, one step), 10.008 (+3 ms),
+    10.011 (+9 ms: a first forward scheduled at its very start), 10.020 (+4 ms), then
+    idle (> 1 s: no step). A ``d_compute_scheduled`` line belongs to the step whose start
+    precedes it and whose period has not ended: the one at 10.011 to the third step, not
+    to the second, which ends there."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    write_log(logs / "kvpd-push-decode.log", [
+        (10.0001, "d_compute_scheduled", f"cmpl-{CID}-0", {"tokens": 1}),
+        (10.0002, "d_compute_scheduled", f"cmpl-{OTHER}-0", {"tokens": 1}),
+        (10.008, "step", "", {"start": 10.000, "until_next_ms": 8.0, "tokens": 3, "reqs": 3}),
+        (10.011, "step", "", {"start": 10.008, "until_next_ms": 3.0, "tokens": 3, "reqs": 3}),
+        (10.011, "d_compute_scheduled", "cmpl-load-aaaaaaaaaaaa-3-0", {"tokens": 1}),
+        (10.020, "step", "", {"start": 10.011, "until_next_ms": 9.0, "tokens": 4, "reqs": 4}),
+        (10.024, "step", "", {"start": 10.020, "until_next_ms": 4.0, "tokens": 4, "reqs": 4}),
+        (12.0, "step", "", {"start": 10.024, "until_next_ms": 1976.0, "tokens": 4,
+                            "reqs": 4}),
+    ], monkeypatch)
+    # a decode without first-forward lines (an older trace) is not listed
+    write_log(logs / "kvpd-staged-decode.log", [
+        (10.1, "step", "", {"start": 10.0, "until_next_ms": 5.0, "tokens": 1, "reqs": 1})],
+        monkeypatch)
+    got = critical_path.d_steps_first_forward(
+        critical_path.trace_timeline.read_events(str(logs)))
+    assert got == {"kvpd-push": {"first": {"n": 2, "p50": 8.5, "p90": 8.9},
+                                 "other": {"n": 2, "p50": 3.5, "p90": 3.9}}}
+    summary = {"modes": {"kvpd-push": {s: 1.0 for s in critical_path.STAGES} | {"n": 1}},
+               "against": None, "steps": {}, "beside": {}, "first_forward": got}
+    assert critical_path.render(summary).splitlines()[-1].endswith(
+        "kvpd-push 8.5 (2) / 3.5 (2)")
 
 
 def test_ps_passes_that_went_by_a_request_are_counted_full_or_with_room(tmp_path,
