@@ -430,3 +430,65 @@ def test_a_step_named_as_a_repeat_runs_its_steps_command_into_a_folder_of_its_ow
     run(tmp_path, "wait", "30", str(tmp_path / "out2"))
     assert "estimate 240s" in steps(tmp_path)["colo-h.r2"]
     assert "estimate 720s" in steps(tmp_path)["colo-e.r2"]
+
+
+def _repo_with_results(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "experiments" / "gpu_host").mkdir(parents=True)
+    (repo / "experiments" / "results" / "s1").mkdir(parents=True)
+    script = repo / "experiments" / "gpu_host" / "lease_tree.sh"
+    script.write_text(open(os.path.join(os.path.dirname(SESSION), "lease_tree.sh")).read())
+    (repo / "experiments" / "results" / "s1" / "summary.txt").write_bytes(b"r" * 200_000)
+    (repo / "kept.py").write_text("x = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "t"], check=True)
+    return repo, script, git
+
+
+def _travels(git) -> set[str]:
+    out = subprocess.run(git + ["ls-files", "--cached", "--others", "--exclude-standard"],
+                         capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+def test_lease_tree_takes_the_results_out_of_what_travels_and_puts_them_back(tmp_path):
+    """2026-11-29b: experiments/results/ was 30 of the checkout's 32 MiB, sent with every
+    device call; slim leaves it on disk but out of what travels (the index and the
+    untracked, not ignored files), restore gives back the index as it was, an unstaged
+    edit elsewhere untouched."""
+    repo, script, git = _repo_with_results(tmp_path)
+    results = "experiments/results/s1/summary.txt"
+    assert results in _travels(git)
+    (repo / "kept.py").write_text("x = 2\n")  # unstaged work survives both ways
+    r = subprocess.run(["bash", str(script), "slim"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "slim:" in r.stdout, r.stdout + r.stderr
+    assert results not in _travels(git) and "kept.py" in _travels(git)
+    assert (repo / results).stat().st_size == 200_000
+    status = subprocess.run(["bash", str(script), "status"], capture_output=True, text=True,
+                            timeout=60).stdout
+    assert status.startswith("slim:")
+    r = subprocess.run(["bash", str(script), "restore"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "restored" in r.stdout, r.stdout + r.stderr
+    assert results in _travels(git)
+    porcelain = subprocess.run(git + ["status", "--porcelain"], capture_output=True,
+                               text=True, check=True).stdout
+    assert porcelain.splitlines() == [" M kept.py"]
+
+
+def test_lease_tree_refuses_to_slim_over_staged_changes(tmp_path):
+    """restore is a reset of experiments/results/ in the index: with other changes staged
+    before slim it could not tell them apart, so slim refuses and changes nothing."""
+    repo, script, git = _repo_with_results(tmp_path)
+    (repo / "kept.py").write_text("x = 3\n")
+    subprocess.run(git + ["add", "kept.py"], check=True)
+    r = subprocess.run(["bash", str(script), "slim"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "staged" in r.stderr
+    assert "experiments/results/s1/summary.txt" in _travels(git)
+    porcelain = subprocess.run(git + ["status", "--porcelain"], capture_output=True,
+                               text=True, check=True).stdout
+    assert porcelain.splitlines() == ["M  kept.py"]
