@@ -530,6 +530,11 @@ class LoadHarness:
                 "moved_bytes": per_side(M.KVPD_MOVED_SUM),
                 "prefix_skipped_bytes": per_side(M.KVPD_SKIPPED),
                 "graph_fallbacks": per_side(M.KVPD_GRAPH_FALLBACKS),
+                # kvcached-pd's device time: P's pack per step that packed, D's unpack per
+                # extent (histogram sums and counts)
+                "pack_s": per_side(M.KVPD_PACK_SUM), "packs": per_side(M.KVPD_PACK_COUNT),
+                "unpack_s": per_side(M.KVPD_UNPACK_SUM),
+                "unpacks": per_side(M.KVPD_UNPACK_COUNT),
                 "aborted_requests": per_side(M.REQUEST_SUCCESS, finished_reason="abort")}
 
     def fault_evidence(self, run: ModeRun) -> dict:
@@ -855,6 +860,7 @@ class LoadHarness:
             "staging_waits": {s: total("staging_waits", s) for s in ("prefill", "decode")},
             # packs / unpacks the CUDA graphs refused (ring busy, request too large)
             "graph_fallbacks": {s: total("graph_fallbacks", s) for s in ("prefill", "decode")},
+            "kvpd_gpu": kvpd_gpu(total),
             "nixl_failed_transfers": total("nixl_failed_transfers"),
             "ucx_faults_injected": _faults_injected(reps),
             "latency": latency_stats(pooled),
@@ -1022,6 +1028,9 @@ def render_summary(doc: dict) -> str:
     cpu_lines = render_cpu(doc)
     if cpu_lines:
         lines += [""] + cpu_lines
+    gpu_lines = render_kvpd_gpu(doc)
+    if gpu_lines:
+        lines += [""] + gpu_lines
     if any(r.get("ttft_batch") for r in doc["modes"].values()):
         lines += ["", "TTFT batch (concurrent long prompts), ms:"]
         for name, r in doc["modes"].items():
@@ -1039,6 +1048,34 @@ def render_summary(doc: dict) -> str:
     if doc.get("timeline"):
         lines += ["", doc["timeline"].rstrip("\n")]
     return "\n".join(lines) + "\n"
+
+
+def kvpd_gpu(total) -> dict:
+    """kvcached-pd's device time over a mode's repeats, from its metrics: P's pack per step
+    that packed and D's unpack per extent, mean ms, with their counts (None: not exported,
+    e.g. vanilla). Why: on vLLM 0.30.0 D's steps that run a loaded request's first forward
+    took 9.1-17.8 ms p50 against 4.9-6.4 on 0.26.0 (2026-11-29b), and whether the unpack
+    in them is part of that was a metric no summary showed."""
+    def mean_ms(seconds: str, count: str, side: str) -> float | None:
+        s, n = total(seconds, side), total(count, side)
+        return round(1e3 * s / n, 3) if s is not None and n else None
+    return {"pack_ms": mean_ms("pack_s", "packs", "prefill"), "packs": total("packs", "prefill"),
+            "unpack_ms": mean_ms("unpack_s", "unpacks", "decode"),
+            "unpacks": total("unpacks", "decode")}
+
+
+def render_kvpd_gpu(doc: dict) -> list[str]:
+    rows = []
+    for name, r in doc["modes"].items():
+        g = r.get("kvpd_gpu") or {}
+        if g.get("pack_ms") is None and g.get("unpack_ms") is None:
+            continue
+        rows.append(f"  {name:<18} pack {_f(g['pack_ms'], 3)} ({_f(g['packs'], 0)})"
+                    f" / unpack {_f(g['unpack_ms'], 3)} ({_f(g['unpacks'], 0)})")
+    if not rows:
+        return []
+    return ["kvcached-pd's device time (its metrics, all repeats): mean ms of P's pack per "
+            "step that packed / of D's unpack per extent (n):"] + rows
 
 
 def cpu_summary(reps: list[dict]) -> dict | None:

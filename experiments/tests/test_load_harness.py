@@ -488,6 +488,13 @@ def test_load_with_aborts_passes_and_reports_everything(tmp_path):
     assert modes["kvpd-staged"]["staging_waits"] == {"prefill": None, "decode": None}
     assert modes["kvpd-staged"]["graph_fallbacks"] == {"prefill": 0, "decode": 0}
     assert modes["vanilla"]["graph_fallbacks"] == {"prefill": None, "decode": None}
+    # kvcached-pd's device time from its metrics: the fake counts 0.25 ms a pack on P and
+    # 0.5 ms an unpack on D; vanilla exports neither
+    gpu = modes["kvpd-staged"]["kvpd_gpu"]
+    assert gpu["pack_ms"] == pytest.approx(0.25) and gpu["unpack_ms"] == pytest.approx(0.5)
+    assert gpu["packs"] >= modes["kvpd-staged"]["completed"] and gpu["unpacks"] > 0
+    assert modes["vanilla"]["kvpd_gpu"] == {"pack_ms": None, "packs": None,
+                                            "unpack_ms": None, "unpacks": None}
     assert modes["kvpd-push"]["vs_vanilla"]["latency.e2e_p50_ms"] > 0
     # the host's CPUs during each mode's repeats, and each process tree's CPU per request
     # (the fake servers parse, tokenize and stream in Python: never 0 over 30 requests)
@@ -505,6 +512,10 @@ def test_load_with_aborts_passes_and_reports_everything(tmp_path):
     assert "requests 3, 6, 9, ...: drop P leg after 15 ms / D leg after 10 ms" in text
     assert "x vanilla" in text
     assert "Host CPU during the load" in text and "proxy" in text.split("Host CPU")[1]
+    gpu_lines = text.split("kvcached-pd's device time")[1].splitlines()
+    assert gpu_lines[1].split() == ["kvpd-staged", "pack", "0.250", f"({gpu['packs']:.0f})",
+                                    "/", "unpack", "0.500", f"({gpu['unpacks']:.0f})"]
+    assert not any(line.split()[0] == "vanilla" for line in gpu_lines[1:3] if line.strip())
     assert (out / "latency.csv").read_text().count("\n") >= 1 + 3 * 2 + 1
 
 
