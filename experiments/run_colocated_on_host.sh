@@ -26,7 +26,8 @@
 #          defaults it, for the change; e.g. kvcached-single,kvpd-push for an A/B of one
 #          mode against one instance);
 #          COLO_CUDA_GRAPHS=1 (parts a and b): vLLM's CUDA graphs in every
-#          instance instead of --enforce-eager (below).
+#          instance instead of --enforce-eager (below). COLO_SERVE_ARGS: `vllm serve`
+#          flags for every instance of the loads (e.g. --cudagraph-metrics).
 #   PART c (~6 min): equivalence with D's prefix cache on, push legs sent at once: reference,
 #          vanilla, staged pull and push on kvcached's default (contiguous) layout and on
 #          the split layout, mixed fleets both ways, P16/D32, the negative control (must
@@ -122,6 +123,13 @@ GRAPH_ARGS=()
 # TTFT batch's waits for room, and what it costs an idle P
 STAGING_ARGS=()
 [ -n "${COLO_STAGING_MB:-}" ] && STAGING_ARGS=(--staging-mb "$COLO_STAGING_MB")
+# COLO_SERVE_ARGS: `vllm serve` flags for every instance of part b's loads, e.g.
+# --cudagraph-metrics (vLLM 0.26+ logs the CUDA graph modes its steps ran at each stats
+# interval): on vLLM 0.30.0 D's steps that run a loaded request's first forward took
+# 9.1-17.8 ms against 4.9-6.4 on 0.26.0 (2026-11-29b), and Model Runner V2 may run them
+# outside the FULL decode graph
+SERVE_ARGS=()
+[ -n "${COLO_SERVE_ARGS:-}" ] && SERVE_ARGS=("--extra-serve-args=$COLO_SERVE_ARGS")
 # COLO_FREEZE_OTHERS=1: part b's loads stop every other mode's servers while one mode is
 # measured (pd_load.py --freeze-others): an idle PD instance's NIXL agents spin a CPU each,
 # and the other modes' instances held 6-16 of a lane's CPUs, by count (2026-11-28f)
@@ -181,12 +189,14 @@ b)
         traffic kvbig $(( $(left) * share / 20 - (share == 20 ? 25 : 0) )) --model "$KVBIG" \
           --modes "$B_MODES" \
           --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 --settle-s 20 \
-          --expect-wire "$WIRE" --trace "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${FREEZE_ARGS[@]}" "${GPU_ARGS[@]}" ;;
+          --expect-wire "$WIRE" --trace "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${FREEZE_ARGS[@]}" "${GPU_ARGS[@]}" \
+          "${SERVE_ARGS[@]}" ;;
       tiny)
         traffic tiny $(( $(left) - 25 )) --model "$TINY" \
           --modes "$B_MODES" \
           --push-concurrent --repeats 3 --settle-s 20 --expect-wire "$WIRE" --trace \
-          "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${FREEZE_ARGS[@]}" "${GPU_ARGS[@]}" ;;
+          "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${FREEZE_ARGS[@]}" "${GPU_ARGS[@]}" \
+          "${SERVE_ARGS[@]}" ;;
       *) echo "COLO_B_MODELS: unknown model '$m' (kvbig, tiny)" >&2; exit 2 ;;
     esac
   done

@@ -481,6 +481,11 @@ def test_cuda_graphs_and_the_loads_of_part_b_when_asked(tmp_path, models):
     # COLO_STAGING_MB reaches both loads (the harness strips the caller's KVCACHED_*)
     assert kvbig.staging_mb is None and tiny.staging_mb is None
     assert [a.staging_mb for a, _ in loads(COLO_STAGING_MB="6144")] == [6144, 6144]
+    # COLO_SERVE_ARGS reaches both loads' servers (--cudagraph-metrics for D's first
+    # forwards on vLLM 0.30.0, 2026-11-29b), nothing when unset
+    assert kvbig.extra_serve_args == tiny.extra_serve_args == ""
+    assert [a.extra_serve_args for a, _ in loads(COLO_SERVE_ARGS="--cudagraph-metrics")] == \
+        ["--cudagraph-metrics"] * 2
     # COLO_B_LOAD_MODES: the modes of both loads (every PD mode unless asked)
     assert kvbig.modes == tiny.modes == ["kvcached-single", "kvcached-single-sync",
                                          "vanilla-p-sync", "kvpd-staged-p-sync",
