@@ -260,7 +260,7 @@ def d_steps_first_forward(events: dict[str, dict[str, list[dict]]]) -> dict[str,
             first = i < len(firsts) and firsts[i] < end
             split["first" if first else "other"].append(1e3 * (end - start))
         out[mode] = {k: {"n": len(v), "p50": round(median(v), 2) if v else None,
-                         "p90": round(percentile(sorted(v), 0.9), 2) if v else None}
+                         "p90": round(percentile(v, 0.9), 2) if v else None}
                      for k, v in split.items()}
     return out
 
