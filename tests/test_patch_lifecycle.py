@@ -181,6 +181,10 @@ class TestConnectorMetrics(PatchLifecycle):
     patch_name = "connector_metrics"
 
 
+class TestPromptTailGraph(PatchLifecycle):
+    patch_name = "prompt_tail_graph"
+
+
 class TestCorruptReceivedKV(PatchLifecycle):
     patch_name = "corrupt_received_kv"
 

@@ -17,6 +17,7 @@ from kvcached_pd.patches.kvcached_coexistence import KvcachedCoexistencePatch
 from kvcached_pd.patches.nixl_handshake_join import NixlHandshakeJoinPatch
 from kvcached_pd.patches.nixl_layout import NixlLayoutPatch
 from kvcached_pd.patches.nixl_registration import NixlRegistrationPatch
+from kvcached_pd.patches.prompt_tail_graph import PromptTailGraphPatch
 from kvcached_pd.patches.push_prefix_alignment import PushPrefixAlignmentPatch
 
 PATCHES: tuple[Patch, ...] = (
@@ -30,6 +31,7 @@ PATCHES: tuple[Patch, ...] = (
     NixlHandshakeJoinPatch(),  # vLLM 0.20-0.30 pull reads (plain, and inside kvcached-pd's)
     PushPrefixAlignmentPatch(),  # vLLM's own per-block push (plain peers, direct transport)
     ConnectorMetricsPatch(),
+    PromptTailGraphPatch(),  # vLLM 0.30 Model Runner V2: D's first forwards in the decode graph
 )
 
 PATCH_NAMES = frozenset(p.name for p in PATCHES)
