@@ -259,6 +259,7 @@ class LoadFlavour:
     # P's CUDA context connects to an MPS server and ignores them without one, so a flavour
     # that sets them names MPS in needs_mps and the load harness refuses it without a server)
     prefill_env: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # both sides' environment on top of the mode's
 
     @property
     def needs_mps(self) -> bool:
@@ -308,6 +309,13 @@ LOAD_FLAVOURS: dict[str, LoadFlavour] = {
     "kvpd-push-p-sync-mbt16k": LoadFlavour(
         "PD, kvcached-pd staged push, P --no-async-scheduling --max-num-batched-tokens 16384",
         "staged", "NixlPushConnector", prefill_args=NO_ASYNC + LONG_STEPS_P),
+    # kvcached-pd's prompt_tail_graph patch left out on both sides (KVCACHED_PD_DISABLE):
+    # on vLLM 0.30 (Model Runner V2) D's step running a loaded request's first forward
+    # then leaves the FULL decode CUDA graph, as vLLM has it; the A/B of that patch
+    "kvpd-push-p-sync-no-tail-graph": LoadFlavour(
+        "PD, kvcached-pd staged push, P --no-async-scheduling, without kvcached-pd's "
+        "prompt_tail_graph patch", "staged", "NixlPushConnector", prefill_args=NO_ASYNC,
+        env=(("KVCACHED_PD_DISABLE", "prompt_tail_graph"),)),
     "vanilla-p-sync-lowprio": LoadFlavour(
         "PD, vLLM without kvcached, P --no-async-scheduling and an MPS client of "
         "below-normal priority", None, "NixlConnector", prefill_args=NO_ASYNC,
@@ -340,7 +348,7 @@ def load_modes(names: list[str], layout: str = "contiguous") -> list[Mode]:
             continue
         flavour = "vanilla" if f.transport is None else \
             f"kvcached-pd-{f.transport}-{layout}" + (f"-{f.wire}" if f.wire else "")
-        env = load_env(f.transport, layout, f.wire)
+        env = {**load_env(f.transport, layout, f.wire), **dict(f.env)}
         out.append(_pd(name, f.description,
                        InstanceConfig(flavour, {**env, **dict(f.prefill_env)},
                                       serve_args=f.prefill_args),

@@ -25,7 +25,7 @@
 #          --no-async-scheduling, one instance with and without it, and push as vLLM
 #          defaults it, for the change; e.g. kvcached-single,kvpd-push for an A/B of one
 #          mode against one instance);
-#          COLO_CUDA_GRAPHS=1 (parts a and b): vLLM's CUDA graphs in every
+#          COLO_CUDA_GRAPHS=1 (parts a, b and d): vLLM's CUDA graphs in every
 #          instance instead of --enforce-eager (below). COLO_SERVE_ARGS: `vllm serve`
 #          flags for every instance of the loads (e.g. --cudagraph-metrics).
 #   PART c (~6 min): equivalence with D's prefix cache on, push legs sent at once: reference,
@@ -35,7 +35,8 @@
 #          negative": what an earlier run's deadline cut).
 #   PART d (~5 min): the issue's client aborts x5 (tiny 64/16, every 9th client drops its P
 #          leg after 50 ms and its D leg after 10 ms): kvcached-pd pull and push
-#          (COLO_D_LOAD_MODES: other load modes, e.g. kvpd-push-p-sync).
+#          (COLO_D_LOAD_MODES: other load modes, e.g. kvpd-push-p-sync; COLO_CUDA_GRAPHS=1:
+#          with vLLM's CUDA graphs, the dispatch prompt_tail_graph changes on vLLM 0.30).
 #   PART e (~8 min): probe_cuda_ipc.py (does a process mapping another's memory through
 #          CUDA IPC survive its death?) and, where present, ipc_selftest.py (the same of
 #          kvcached-pd's own IPC layer), then D killed 1 s into a 128-request load, then P
@@ -112,7 +113,7 @@ WIRE=ipc
 # from +400 (unset: their defaults). Two parts started at once on one host with the same
 # defaults pick the same free ports, and a harness then takes the other's servers for its
 # own (2026-11-26: lane C's aborts run sent its requests to lane T's kvbig servers).
-# COLO_CUDA_GRAPHS=1: parts a and b run every instance with vLLM's CUDA graphs (its
+# COLO_CUDA_GRAPHS=1: parts a, b and d run every instance with vLLM's CUDA graphs (its
 # default) instead of --enforce-eager (the harnesses' default: eager decode steps of the
 # test models cost 22-38 ms of host launches, and D runs one step more than one instance
 # before its first token).
@@ -214,7 +215,7 @@ d)
   traffic aborts $(( $(left) - 25 )) --model "$TINY" \
     --modes "${COLO_D_LOAD_MODES:-kvpd-staged,kvpd-push}" \
     --push-concurrent --issue-aborts --repeats "${COLO_ABORT_REPEATS:-5}" --expect-wire "$WIRE" "${GPU_ARGS[@]}" \
-    ${COLO_TRACE:+--trace}
+    "${GRAPH_ARGS[@]}" ${COLO_TRACE:+--trace}
   ;;
 e)
   [ "$DRY" = 1 ] || mkdir -p "$W/probe"

@@ -444,6 +444,13 @@ def test_part_d_traces_only_when_asked_and_takes_its_modes(tmp_path, models):
                if any(x.endswith("traffic.sh") for x in argv)]
     assert pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]]).modes == \
         ["kvpd-push-p-sync"]
+    # COLO_CUDA_GRAPHS=1: the aborts with vLLM's CUDA graphs (eager unless asked), where
+    # vLLM 0.30's graph dispatch, which prompt_tail_graph changes, decides D's steps
+    for graphs, want in (("0", False), ("1", True)):
+        (argv,) = [argv for argv in _dry_run(tmp_path, "d", COLO_CUDA_GRAPHS=graphs, **models)
+                   if any(x.endswith("traffic.sh") for x in argv)]
+        assert pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]]).cuda_graphs \
+            is want
 
 
 def test_part_e_prints_a_status_only_for_the_probes_it_ran(tmp_path, models):

@@ -150,6 +150,22 @@ def test_p_side_flavours_change_p_alone_and_mps_ones_need_a_server(tmp_path, mon
     assert pd_load.parse_args(argv).modes[1] == "kvpd-push-p-sync-lowprio"
 
 
+def test_no_tail_graph_flavour_leaves_the_patch_out_on_both_sides_and_nothing_else():
+    """The A/B twin of push P-sync: both instances name prompt_tail_graph in
+    KVCACHED_PD_DISABLE (a name kvcached-pd knows), every other setting as push P-sync's."""
+    from kvcached_pd.patches import PATCH_NAMES
+
+    modes = {m.name: m for m in pd_modes.load_modes(["kvpd-push-p-sync",
+                                                      "kvpd-push-p-sync-no-tail-graph"])}
+    base, ab = modes["kvpd-push-p-sync"], modes["kvpd-push-p-sync-no-tail-graph"]
+    for side in ("prefill", "decode"):
+        mine, theirs = getattr(ab, side), getattr(base, side)
+        assert mine.env.pop("KVCACHED_PD_DISABLE") in PATCH_NAMES
+        assert "KVCACHED_PD_DISABLE" not in theirs.env
+        assert mine == theirs
+    assert ab.connector == base.connector
+
+
 def _state(pid: int, stopped: bool | None = None) -> str:
     """A process's state letter ("T": stopped); with ``stopped`` given, the first state
     within 2 s that is (True) or is not (False) "T": a signal takes effect asynchronously."""
