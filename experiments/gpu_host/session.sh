@@ -318,6 +318,14 @@ start|dry)
 wait)
   SECS=${2:?usage: session.sh wait SECONDS OUT}
   OUT=${3:?usage: session.sh wait SECONDS OUT}
+  # No session here: the machine this call runs on is not the one `start` ran on (a
+  # machine lost between two calls comes back bare). Say so at once: on 2026-11-29c a
+  # wait on such a machine slept its whole 585 s of device time for nothing.
+  if [ ! -f $S/commit.txt ]; then
+    echo "session.sh wait: no session on this machine ($S/commit.txt missing): it is not" \
+      "the machine \`start\` ran on (lost between calls?); nothing to wait for" >&2
+    exit 3
+  fi
   end=$(( $(date +%s) + SECS ))
   while [ ! -f $S/all.done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
   mkdir -p "$OUT"

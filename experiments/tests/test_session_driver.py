@@ -52,6 +52,19 @@ def test_two_gpus_run_both_lanes_then_the_cross_gpu_step(tmp_path):
     assert c_log.index("colo-c done") < c_log.index("colo-b:")
 
 
+def test_wait_on_a_machine_without_the_session_returns_at_once(tmp_path):
+    """A machine lost between two calls comes back bare: `wait` there says so and returns
+    at once instead of sleeping its seconds (2026-11-29c: 585 s of device time slept for
+    nothing)."""
+    import time
+
+    t0 = time.monotonic()
+    r = run(tmp_path, "wait", "60", str(tmp_path / "out"))
+    assert r.returncode == 3 and "no session on this machine" in r.stderr
+    assert time.monotonic() - t0 < 10
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_step_that_does_not_fit_before_the_deadline_is_not_run(tmp_path):
     # the real estimates (minutes) against a 30-second session: nothing fits
     r = run(tmp_path, "start", "abc123", SESSION_GPUS="1", SESSION_SECONDS="30")
