@@ -126,9 +126,9 @@ STAGING_ARGS=()
 [ -n "${COLO_STAGING_MB:-}" ] && STAGING_ARGS=(--staging-mb "$COLO_STAGING_MB")
 # COLO_SERVE_ARGS: `vllm serve` flags for every instance of part b's loads, e.g.
 # --cudagraph-metrics (vLLM 0.26+ logs the CUDA graph modes its steps ran at each stats
-# interval): on vLLM 0.30.0 D's steps that run a loaded request's first forward took
-# 9.1-17.8 ms against 4.9-6.4 on 0.26.0 (2026-11-29b), and Model Runner V2 may run them
-# outside the FULL decode graph
+# interval, read by cudagraph_modes.py): on vLLM 0.30.0 a quarter of D's steps, those that
+# run a loaded request's first forward, left the FULL decode graph without kvcached-pd's
+# prompt_tail_graph patch (2026-11-29c)
 SERVE_ARGS=()
 [ -n "${COLO_SERVE_ARGS:-}" ] && SERVE_ARGS=("--extra-serve-args=$COLO_SERVE_ARGS")
 # COLO_FREEZE_OTHERS=1: part b's loads stop every other mode's servers while one mode is

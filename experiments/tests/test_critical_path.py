@@ -61,6 +61,13 @@ def _load_out(tmp_path, monkeypatch, d_alloc_t=100.050):
     return out
 
 
+def last_rendered_line(**parts) -> str:
+    """The last line render() writes for one traced mode and the given summary parts."""
+    summary = {"modes": {"kvpd-push": {s: 1.0 for s in critical_path.STAGES} | {"n": 1}},
+               "against": None, "steps": {}, "beside": {}, **parts}
+    return critical_path.render(summary).splitlines()[-1]
+
+
 def test_the_stages_are_consecutive_and_sum_to_the_clients_ttft(tmp_path, monkeypatch):
     summary = critical_path.summarize(str(_load_out(tmp_path, monkeypatch)))
     m = summary["modes"]["kvpd-push"]
@@ -154,9 +161,7 @@ def test_ds_steps_are_split_by_whether_one_of_ps_steps_ran_beside_them(tmp_path,
         critical_path.trace_timeline.read_events(str(logs)))
     assert got == {"kvpd-push": {"beside": {"n": 2, "p50": 6.5},
                                  "alone": {"n": 3, "p50": 4.0}}}
-    summary = {"modes": {"kvpd-push": {s: 1.0 for s in critical_path.STAGES} | {"n": 1}},
-               "against": None, "steps": {}, "beside": got}
-    assert critical_path.render(summary).splitlines()[-1].endswith(
+    assert last_rendered_line(beside=got).endswith(
         "kvpd-push 6.5 (2) / 4.0 (3)")
 
 
@@ -188,9 +193,7 @@ def test_ds_steps_are_split_by_whether_they_run_a_loaded_requests_first_forward(
         critical_path.trace_timeline.read_events(str(logs)))
     assert got == {"kvpd-push": {"first": {"n": 2, "p50": 8.5, "p90": 8.9},
                                  "other": {"n": 2, "p50": 3.5, "p90": 3.9}}}
-    summary = {"modes": {"kvpd-push": {s: 1.0 for s in critical_path.STAGES} | {"n": 1}},
-               "against": None, "steps": {}, "beside": {}, "first_forward": got}
-    assert critical_path.render(summary).splitlines()[-1].endswith(
+    assert last_rendered_line(first_forward=got).endswith(
         "kvpd-push 8.5 (2) / 3.5 (2)")
 
 
@@ -225,9 +228,7 @@ def test_ps_passes_that_went_by_a_request_are_counted_full_or_with_room(tmp_path
     # no budget known: the passes are counted, not split
     unknown = critical_path.passes_before_admit(events, {})["kvpd-push"]
     assert (unknown["passed_over"], unknown["full"], unknown["not_full"]) == (1, None, None)
-    summary = {"modes": {"kvpd-push": {s: 1.0 for s in critical_path.STAGES} | {"n": 1}},
-               "against": None, "steps": {}, "beside": {}, "passes": got}
-    assert critical_path.render(summary).splitlines()[-1].endswith(
+    assert last_rendered_line(passes=got).endswith(
         "kvpd-push 1 of 2, 1 / 1 (budget 4096), 25.0")
     # summarize reads the budget from each mode's P log
     assert critical_path.summarize(str(tmp_path))["passes"] == got
