@@ -56,6 +56,7 @@ RELEASE_INDEPENDENT=(
   experiments/tests/test_bench_remote_unpack.py experiments/tests/test_compare_loads.py
   experiments/tests/test_critical_path.py experiments/tests/test_bench_claim_latency.py
   experiments/tests/test_host_cpu.py experiments/tests/test_cudagraph_modes.py
+  experiments/tests/test_pyspy_summary.py
   tests/test_test_command.py tests/test_test_ports.py
 )
 # Group 1 runs as two processes side by side, beside the last release's groups: these

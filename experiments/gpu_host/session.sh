@@ -48,6 +48,9 @@
 #     kernels may share the GPU instead of taking turns, e.g. colo-g.mps colo-d.mps;
 #     COLO_B_LOAD_MODES_MPS, where set, replaces COLO_B_LOAD_MODES in these steps alone
 #     (e.g. kvpd-push-p-sync-lowprio, which the load harness refuses without MPS)
+#   STEP.spy (not by default; colo-* steps) STEP with py-spy sampling every vLLM engine
+#     process it starts (gpu_host/with_pyspy.sh: WORKDIR/pyspy/PID.txt, collapsed stacks;
+#     experiments/pyspy_summary.py compares them), e.g. colo-h.spy
 #   colo-gs (not by default) colo-g with COLO_STAGING_MB=${SESSION_STAGING_MB:-6144} on the
 #     kvcached-pd instances: P's staging holding all eight 752 MiB extents of the TTFT
 #     batch (the default 4 GiB holds five; the rest wait for D's DONEs)
@@ -101,6 +104,7 @@ est() {  # est STEP: estimated minutes (2026-11-24/25 sessions, one H100, instan
   local step=${1%@*}
   step=${step%.r[0-9]*}
   step=${step%.t-*}
+  step=${step%.spy}
   case ${step%.mps} in
     handoff) echo 3 ;; ab21) echo 4 ;; serve|serve-cap) echo 6 ;; colo-a) echo 5 ;;
     cross-a|cross-n) echo 3 ;; colo-c|cross-c) echo 7 ;; colo-d) echo 5 ;; cross-d) echo 6 ;; colo-b) echo 9 ;;
@@ -146,6 +150,11 @@ step_cmd() {  # step_cmd STEP WORKDIR: the command of one step, run from the ses
   fi
   if [[ "$step" == *.t-* ]]; then  # the step from another tree (.gpu/trees/TREE)
     echo "cd .gpu/trees/${step##*.t-} && $(step_cmd "${step%.t-*}" "$w")"
+    return
+  fi
+  if [[ "$step" == colo-*.spy ]]; then  # the step with py-spy on every engine process
+    echo "bash experiments/gpu_host/with_pyspy.sh $w bash -c" \
+         "$(printf %q "$(step_cmd "${step%.spy}" "$w")")"
     return
   fi
   if [[ "$step" == colo-*.mps ]]; then  # the step under an MPS server of its own

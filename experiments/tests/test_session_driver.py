@@ -379,6 +379,28 @@ def test_a_colocated_step_named_mps_runs_under_the_lanes_own_mps_server(tmp_path
     assert "COLO_B_LOAD_MODES" not in lines["C colo-g"]
 
 
+def test_a_colocated_step_named_spy_runs_with_py_spy_on_its_engines(tmp_path):
+    """STEP.spy: the colocated step's own command, inside with_pyspy.sh (py-spy on every
+    engine process it starts, the stacks in the .spy step's folder); the tiny model
+    stays colo-h's and the kvbig colo-g's."""
+    r = run(tmp_path, "dry", "abc123", SESSION_GPUS="1",
+            SESSION_PLAN="T colo-h.spy colo-g.spy colo-d.spy")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in r.stdout.splitlines()}
+    for step in ("colo-h", "colo-g", "colo-d"):
+        w = f"{tmp_path}/s/work/{step}.spy"
+        prefix = f"bash experiments/gpu_host/with_pyspy.sh {w} bash -c "
+        cmd = lines[f"T {step}.spy"]
+        assert cmd.startswith(prefix), cmd
+        inner = subprocess.run(["bash", "-c", "printf %s " + cmd[len(prefix):]],
+                               capture_output=True, text=True).stdout
+        plain = run(tmp_path, "dry", "abc123", SESSION_GPUS="1",
+                    SESSION_PLAN=f"T {step}").stdout.split(": ", 1)[1].strip()
+        assert inner == plain.replace(f"/work/{step} ", f"/work/{step}.spy "), (inner, plain)
+    assert "COLO_B_MODELS=tiny" in lines["T colo-h.spy"]
+    assert "COLO_B_MODELS=kvbig" in lines["T colo-g.spy"]
+
+
 WITH_MPS = os.path.join(os.path.dirname(HERE), "gpu_host", "with_mps.sh")
 
 

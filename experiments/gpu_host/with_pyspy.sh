@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Run one command while py-spy samples every vLLM engine-core process it starts, then
+# leave each process's stacks in WORKDIR/pyspy/.
+#
+#   bash experiments/gpu_host/with_pyspy.sh WORKDIR COMMAND...
+#
+# Why: on the tiny model (135.5M parameters) a decode step's GPU work is well under a
+# millisecond, yet D's engine steps took 4.2 ms p50 alone and a step that admits loaded
+# requests 6.6-8.5 ms on vLLM 0.30.0 (2026-11-29c, one H200): the steps are the engine
+# process's host time, and the traces say only how long they took, not where it went.
+# py-spy samples the Python stacks of a running process from outside (no change to
+# vLLM or to the process), so one instance without PD and D of the same load can be
+# compared function by function (experiments/pyspy_summary.py).
+#
+# A watcher looks for new processes whose command line names vLLM's engine core
+# ("EngineCore", its process title) every half second and starts one
+# ``py-spy record --pid PID --format raw --threads --idle --nonblocking`` for each, at
+# PYSPY_RATE samples a second (default 200); py-spy writes WORKDIR/pyspy/PID.txt when
+# the process exits (its collapsed stacks: "thread (TID): NAME;frame;frame COUNT") and
+# its own messages to PID.log. --nonblocking: the process is never paused to be read
+# (a stack may be torn now and then; none is lost). Nothing else on the host is
+# touched. py-spy: PYSPY, else py-spy on PATH, else /tmp/py-spy. Exit: COMMAND's, or 3
+# where py-spy cannot be found (nothing run).
+set -uo pipefail
+W=${1:?usage: with_pyspy.sh WORKDIR COMMAND...}
+shift
+[ $# -ge 1 ] || { echo "usage: with_pyspy.sh WORKDIR COMMAND..." >&2; exit 2; }
+SPY=${PYSPY:-$(command -v py-spy || echo /tmp/py-spy)}
+if [ ! -x "$SPY" ]; then
+  echo "no py-spy: $SPY is not an executable (PYSPY, PATH or /tmp/py-spy)" >&2
+  exit 3
+fi
+mkdir -p "$W/pyspy"
+RATE=${PYSPY_RATE:-200}
+PATTERN=${PYSPY_PATTERN:-EngineCore}
+watch() {
+  local seen=" " pid
+  while :; do
+    for pid in $(pgrep -f "$PATTERN" 2>/dev/null); do
+      [ "$pid" = "$$" ] && continue
+      case $seen in *" $pid "*) continue ;; esac
+      seen="$seen$pid "
+      tr '\0' ' ' < /proc/$pid/cmdline > "$W/pyspy/$pid.cmd" 2>/dev/null
+      "$SPY" record --pid "$pid" --rate "$RATE" --format raw --threads --idle --nonblocking \
+        --output "$W/pyspy/$pid.txt" > "$W/pyspy/$pid.log" 2>&1 &
+    done
+    sleep 0.5
+  done
+}
+watch &
+WATCHER=$!
+stop() {
+  kill "$WATCHER" 2> /dev/null
+  # py-spy writes its file when its process has exited: give the last ones time
+  for _ in $(seq 20); do pgrep -f "$SPY record" > /dev/null || break; sleep 0.5; done
+  echo "py-spy: $(ls "$W"/pyspy/[0-9]*.txt 2>/dev/null | wc -l) engine process(es) recorded" \
+    "at $RATE Hz ($(date '+%F %T'))" >> "$W/pyspy/README.txt"
+}
+trap stop EXIT
+echo "$("$SPY" --version 2>&1) on processes matching '$PATTERN' ($(date '+%F %T'))" \
+  > "$W/pyspy/README.txt"
+"$@"
