@@ -491,6 +491,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="command that runs `vllm serve` (default: $KVPD_VLLM_CMD, else this "
                          "python -m vllm.entrypoints.cli.main serve)")
     ap.add_argument("--extra-serve-args", default="", help="appended to every vllm serve")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="run every instance with vLLM's CUDA graphs (default: --enforce-eager; "
+                         "on vLLM 0.30 a decode instance's dispatch of a loaded request's "
+                         "first forward, which kvcached-pd's prompt_tail_graph changes, is "
+                         "a graph decision)")
     ap.add_argument("--no-logging-config", action="store_true",
                     help="do not give vLLM our logging config (NIXL worker DEBUG lines and "
                          "kvcached_pd INFO lines in the instance logs)")

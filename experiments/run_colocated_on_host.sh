@@ -25,7 +25,7 @@
 #          --no-async-scheduling, one instance with and without it, and push as vLLM
 #          defaults it, for the change; e.g. kvcached-single,kvpd-push for an A/B of one
 #          mode against one instance);
-#          COLO_CUDA_GRAPHS=1 (parts a, b and d): vLLM's CUDA graphs in every
+#          COLO_CUDA_GRAPHS=1 (parts a to e): vLLM's CUDA graphs in every
 #          instance instead of --enforce-eager (below). COLO_SERVE_ARGS: `vllm serve`
 #          flags for every instance of the loads (e.g. --cudagraph-metrics).
 #   PART c (~6 min): equivalence with D's prefix cache on, push legs sent at once: reference,
@@ -113,10 +113,11 @@ WIRE=ipc
 # from +400 (unset: their defaults). Two parts started at once on one host with the same
 # defaults pick the same free ports, and a harness then takes the other's servers for its
 # own (2026-11-26: lane C's aborts run sent its requests to lane T's kvbig servers).
-# COLO_CUDA_GRAPHS=1: parts a, b and d run every instance with vLLM's CUDA graphs (its
+# COLO_CUDA_GRAPHS=1: parts a to e run every instance with vLLM's CUDA graphs (its
 # default) instead of --enforce-eager (the harnesses' default: eager decode steps of the
 # test models cost 22-38 ms of host launches, and D runs one step more than one instance
-# before its first token).
+# before its first token). Eager, vLLM 0.30's prompt_tail_graph changes nothing: the
+# equivalence (c) and the kills (e) ran eager until 2026-11-29d.
 GRAPH_ARGS=()
 [ "${COLO_CUDA_GRAPHS:-0}" = 1 ] && GRAPH_ARGS=(--cuda-graphs)
 # part b's kvcached-pd instances with KVCACHED_PD_STAGING_MB (the harness hands its
@@ -208,7 +209,7 @@ push-contiguous kvcached-pd-staged push mixed-p mixed-d blocksize negative}"
   run timeout $(( $(left) - 15 )) bash "$HERE/equivalence.sh" "$W/eq" "${eq_modes[@]}" \
     --model "$TINY" --parallel 2 --push-concurrent --expect-wire "$WIRE" \
     --deadline-s $(( $(left) - 35 )) --extra-serve-args=--enable-prefix-caching \
-    "${GPU_ARGS[@]}" --single-gpu "$P_GPU" "${PORT_ARGS[@]}"
+    "${GPU_ARGS[@]}" --single-gpu "$P_GPU" "${PORT_ARGS[@]}" "${GRAPH_ARGS[@]}"
   echo "rc equivalence=$?"
   ;;
 d)
@@ -257,7 +258,7 @@ e)
     mine=$(need "$kill")
     traffic "kill${role:0:1}" $(( ($(left) - 25) * mine / needs )) --model "$TINY" \
       --modes "$modes" --push-concurrent --requests 128 --kill "$role" \
-      --kill-at-s 1 --expect-wire "$WIRE" "${GPU_ARGS[@]}"
+      --kill-at-s 1 --expect-wire "$WIRE" "${GPU_ARGS[@]}" "${GRAPH_ARGS[@]}"
     needs=$(( needs - mine ))
   done
   ;;

@@ -453,6 +453,19 @@ def test_part_d_traces_only_when_asked_and_takes_its_modes(tmp_path, models):
             is want
 
 
+def test_parts_c_and_e_take_cuda_graphs_when_asked(tmp_path, models):
+    """COLO_CUDA_GRAPHS=1 reaches the equivalence (c) and every kill run (e): eager, vLLM
+    0.30's prompt_tail_graph decides nothing, so neither part said anything of it."""
+    for graphs, want in (("0", False), ("1", True)):
+        (argv,) = _dry_run(tmp_path, "c", COLO_CUDA_GRAPHS=graphs, **models)
+        assert equivalence.parse_args(_after(argv, "equivalence.sh")).cuda_graphs is want
+        runs = [pd_load.parse_args(["--out", "x", *_after(argv, "traffic.sh")[1:]])
+                for argv in _dry_run(tmp_path, "e", COLO_CUDA_GRAPHS=graphs, COLO_PROBES="0",
+                                     **models)]
+        assert [a.kill for a in runs] == ["decode", "prefill"]
+        assert all(a.cuda_graphs is want for a in runs)
+
+
 def test_part_e_prints_a_status_only_for_the_probes_it_ran(tmp_path, models):
     """2026-11-26 (eighth session): with COLO_PROBES=selftest part e printed "rc probe=1"
     for the probe it skipped, which reads as a failed probe."""
