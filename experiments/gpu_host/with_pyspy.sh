@@ -14,13 +14,21 @@
 #
 # A watcher looks for new processes whose command line names vLLM's engine core
 # ("EngineCore", its process title) every half second and starts one
-# ``py-spy record --pid PID --format raw --threads --idle --nonblocking`` for each, at
-# PYSPY_RATE samples a second (default 200); py-spy writes WORKDIR/pyspy/PID.txt when
-# the process exits (its collapsed stacks: "thread (TID): NAME;frame;frame COUNT") and
-# its own messages to PID.log. --nonblocking: the process is never paused to be read
-# (a stack may be torn now and then; none is lost). Nothing else on the host is
-# touched. py-spy: PYSPY, else py-spy on PATH, else /tmp/py-spy. Exit: COMMAND's, or 3
-# where py-spy cannot be found (nothing run).
+# ``py-spy record --pid PID --format raw PYSPY_FLAGS`` for each, at PYSPY_RATE samples a
+# second (default 200); py-spy writes WORKDIR/pyspy/PID.txt when the process exits (its
+# collapsed stacks: "thread (TID): NAME;frame;frame COUNT") and its own messages, with
+# its counts of samples and errors, to PID.log. Nothing else on the host is touched.
+# py-spy: PYSPY, else py-spy on PATH, else /tmp/py-spy. Exit: COMMAND's, or 3 where
+# py-spy cannot be found (nothing run).
+#
+# PYSPY_FLAGS (default "--threads --idle --nonblocking": every thread, waits included,
+# the process never paused to be read). First run (2026-11-29d, one H200, vLLM 0.30.0,
+# py-spy 0.4.1, colo-h.spy): all eight engine processes were sampled through start-up
+# (model load, Triton compilation, KV registration) and then not at all while they
+# served: no sample of any process passed through vLLM's run_busy_loop, each log counts
+# 2 449-73 547 samples and 114-1 262 errors over a 2-minute life, two say py-spy fell
+# 1.4-5.1 s behind. Not understood; what was not tried: py-spy pausing the process
+# (PYSPY_FLAGS without --nonblocking), the GIL holder alone (--gil), a lower rate.
 set -uo pipefail
 W=${1:?usage: with_pyspy.sh WORKDIR COMMAND...}
 shift
@@ -32,6 +40,7 @@ if [ ! -x "$SPY" ]; then
 fi
 mkdir -p "$W/pyspy"
 RATE=${PYSPY_RATE:-200}
+read -r -a FLAGS <<< "${PYSPY_FLAGS:---threads --idle --nonblocking}"
 PATTERN=${PYSPY_PATTERN:-EngineCore}
 watch() {
   local seen=" " pid
@@ -41,7 +50,7 @@ watch() {
       case $seen in *" $pid "*) continue ;; esac
       seen="$seen$pid "
       tr '\0' ' ' < /proc/$pid/cmdline > "$W/pyspy/$pid.cmd" 2>/dev/null
-      "$SPY" record --pid "$pid" --rate "$RATE" --format raw --threads --idle --nonblocking \
+      "$SPY" record --pid "$pid" --rate "$RATE" --format raw "${FLAGS[@]}" \
         --output "$W/pyspy/$pid.txt" > "$W/pyspy/$pid.log" 2>&1 &
     done
     sleep 0.5
@@ -57,6 +66,7 @@ stop() {
     "at $RATE Hz ($(date '+%F %T'))" >> "$W/pyspy/README.txt"
 }
 trap stop EXIT
-echo "$("$SPY" --version 2>&1) on processes matching '$PATTERN' ($(date '+%F %T'))" \
+echo "$("$SPY" --version 2>&1) on processes matching '$PATTERN', flags ${FLAGS[*]}" \
+  "($(date '+%F %T'))" \
   > "$W/pyspy/README.txt"
 "$@"

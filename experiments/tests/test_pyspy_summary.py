@@ -82,11 +82,12 @@ def test_with_pyspy_records_each_matching_process_once_and_keeps_the_rc(tmp_path
     fake.write_text(textwrap.dedent("""\
         #!/usr/bin/env bash
         [ "$1" = --version ] && { echo "py-spy 0.0.fake"; exit 0; }
-        out=""; pid=""
+        out=""; pid=""; flags=""
         while [ $# -gt 0 ]; do
-          case $1 in --output) out=$2; shift ;; --pid) pid=$2; shift ;; esac; shift
+          case $1 in --output) out=$2; shift ;; --pid) pid=$2; shift ;;
+            --rate|--format) shift ;; *) flags="$flags $1" ;; esac; shift
         done
-        echo started >> "$out.starts"
+        echo "$flags" >> "$out.starts"
         while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
         echo "thread (0x1): MainThread;run_busy_loop (core.py:1) 5" > "$out"
         """))
@@ -97,18 +98,19 @@ def test_with_pyspy_records_each_matching_process_once_and_keeps_the_rc(tmp_path
     cmd = (f"bash -c 'x=kvpd; exec -a ${{x}}spy{os.getpid()}-a sleep 1.5' & "
            f"bash -c 'x=kvpd; exec -a ${{x}}spy{os.getpid()}-b sleep 1.5' & "
            f"bash -c 'exec -a other sleep 1.5' & wait; exit 7")
-    env = dict(os.environ, PYSPY=str(fake), PYSPY_PATTERN=marker)
+    env = dict(os.environ, PYSPY=str(fake), PYSPY_PATTERN=marker, PYSPY_FLAGS="--gil")
     done = subprocess.run(["bash", WITH_PYSPY, str(tmp_path / "w"), "bash", "-c", cmd],
                           env=env, timeout=60)
     assert done.returncode == 7
     spy = tmp_path / "w" / "pyspy"
     records = sorted(p.name for p in spy.glob("*.txt") if p.name != "README.txt")
     assert len(records) == 2, records
-    assert [(spy / f"{r}.starts").read_text() for r in records] == ["started\n"] * 2
+    assert [(spy / f"{r}.starts").read_text() for r in records] == [" record --gil\n"] * 2
     cmds = [p.read_text() for p in spy.glob("*.cmd")]
     assert sorted(c.split()[0] for c in cmds) == [f"{marker}-a", f"{marker}-b"]
     readme = (spy / "README.txt").read_text()
-    assert "py-spy 0.0.fake" in readme and "2 engine process(es) recorded" in readme
+    assert "py-spy 0.0.fake" in readme and "flags --gil" in readme
+    assert "2 engine process(es) recorded" in readme
 
 
 def test_with_pyspy_without_py_spy_runs_nothing(tmp_path):
