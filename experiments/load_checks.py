@@ -182,6 +182,37 @@ def check_memory_returned(killed: str, before: dict, idle: dict,
         status = ABSENT if ABSENT in states else PASS
     return {"status": status, "detail": "; ".join(parts), "survivor": survivor}
 
+def check_kill_in_flight(requests: list[dict], killed_at: float | None) -> dict:
+    """Whether a kill landed while the load still had requests on their way: one sent
+    before it and not ended by then, or one sent after it. A kill that lands after the
+    last request ended tests a survivor with nothing in flight, not a peer dying
+    mid-handoff: 2026-11-29d (one H200, vLLM's CUDA graphs) the 128-request load took
+    about a second and "kill P at +1 s" came after its last request; that run passed
+    every other check. ``killed_at``: the kill's ``time.time()``; None, it never fired
+    (``--kill-after N`` with fewer completions)."""
+    if killed_at is None:
+        return {"status": FAIL, "detail": "the kill never fired"}
+    in_flight = sent_after = 0
+    last_end = None
+    for r in requests:
+        start = r.get("started_at")
+        if start is None:
+            continue
+        end = start + r["e2e_s"] if r.get("e2e_s") is not None else None
+        if end is not None:
+            last_end = end if last_end is None else max(last_end, end)
+        if start > killed_at:
+            sent_after += 1
+        elif end is None or end >= killed_at:
+            in_flight += 1
+    detail = f"{in_flight} request(s) in flight at the kill, {sent_after} sent after it"
+    if in_flight or sent_after:
+        return {"status": PASS, "detail": detail}
+    late = "" if last_end is None else \
+        f": it landed {1e3 * (killed_at - last_end):.0f} ms after the last request ended"
+    return {"status": FAIL, "detail": detail + late + " (nothing died mid-handoff)"}
+
+
 def check_alive(roles: dict[str, dict]) -> dict:
     """``roles``: role -> {"alive": bool, "health": int, "killed": bool, "tail": str}."""
     dead, problems = [], []

@@ -78,8 +78,8 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from load_checks import (ABSENT, FAIL, NA, PASS, check_alive, check_kv_loaded,
-                         check_memory_returned, check_outputs, check_requests, check_staging,
+from load_checks import (ABSENT, FAIL, NA, PASS, check_alive, check_kill_in_flight,
+                         check_kv_loaded, check_memory_returned, check_outputs, check_requests, check_staging,
                          check_wire, latency_stats, ms, staging_expected, verdict_of)
 from gpu_memory import PeakSampler, compute_apps_mib, gpu_used_on, instance_memory
 from host_cpu import CpuWindow
@@ -131,6 +131,7 @@ class ModeRun:
     repeats: list[dict] = field(default_factory=list)
     ttft: dict | None = None
     killed: str | None = None  # the role killed on purpose
+    killed_at: float | None = None  # when (time.time()), for check_kill_in_flight
     broken: str | None = None  # why no further repeats run
     expected_wire: str | None = None  # the wire D must name for its staged peer
 
@@ -490,6 +491,7 @@ class LoadHarness:
                 run.expected_wire, wire_evidence(run.instances["decode"].log_path)["wires"],
                 fallbacks, counter_readable=run.killed != "decode")
         if kill:
+            checks["in_flight"] = check_kill_in_flight(requests, run.killed_at)
             survivor = "decode" if a.kill == "prefill" else "prefill"
             checks["memory"] = check_memory_returned(
                 a.kill, memory["before"], memory["idle"], gpu["killed_before"],
@@ -571,6 +573,7 @@ class LoadHarness:
                 else f"after {self.a.kill_after} requests completed")
         log(f"KILL   {proc.name}: SIGKILL to its process tree {when}")
         run.killed = self.a.kill
+        run.killed_at = time.time()
         proc.signal_group(signal.SIGKILL)
 
     def survivor_check(self, run: ModeRun) -> dict:

@@ -39,8 +39,11 @@
 #          with vLLM's CUDA graphs, the dispatch prompt_tail_graph changes on vLLM 0.30).
 #   PART e (~8 min): probe_cuda_ipc.py (does a process mapping another's memory through
 #          CUDA IPC survive its death?) and, where present, ipc_selftest.py (the same of
-#          kvcached-pd's own IPC layer), then D killed 1 s into a 128-request load, then P
-#          killed likewise (tiny; pull and push): the survivor serves, its memory returns.
+#          kvcached-pd's own IPC layer), then D killed once COLO_KILL_AFTER (default 48)
+#          of a 128-request load's requests completed, then P killed likewise (tiny; pull
+#          and push): the survivor serves, its memory returns, and pd_load.py checks that
+#          requests were in flight at the kill (until 2026-11-29d the kill came 1 s in,
+#          after the whole load once CUDA graphs made it a one-second load).
 #          COLO_KILLS (default "decode prefill"): the roles killed, in order, the part's
 #          time split among them by load runs (2026-11-26: half of 560 s held kill D in pull
 #          mode only, twice; COLO_KILLS=decode gives it the whole part), each ROLE or
@@ -258,7 +261,8 @@ e)
     mine=$(need "$kill")
     traffic "kill${role:0:1}" $(( ($(left) - 25) * mine / needs )) --model "$TINY" \
       --modes "$modes" --push-concurrent --requests 128 --kill "$role" \
-      --kill-at-s 1 --expect-wire "$WIRE" "${GPU_ARGS[@]}" "${GRAPH_ARGS[@]}"
+      --kill-after "${COLO_KILL_AFTER:-48}" --expect-wire "$WIRE" "${GPU_ARGS[@]}" \
+      "${GRAPH_ARGS[@]}"
     needs=$(( needs - mine ))
   done
   ;;

@@ -110,6 +110,24 @@ def _reading(device=None, used=None, prealloc=0):
     return {"device_mib": device, "kvcached": kv}
 
 
+def test_a_kill_counts_only_when_requests_were_in_flight():
+    """2026-11-29d (one H200, CUDA graphs): the 128-request load ended about a second in,
+    just before "kill P at +1 s"; every other check passed. Such a kill fails now."""
+    def req(start, e2e):
+        return {"started_at": start, "e2e_s": e2e}
+    done = [req(100.0 + i * 0.05, 0.12) for i in range(8)]  # the last ends at 100.47
+    late = load_checks.check_kill_in_flight(done, killed_at=101.0)
+    assert late["status"] == "fail" and "530 ms after the last request ended" in late["detail"]
+    mid = load_checks.check_kill_in_flight(done, killed_at=100.2)
+    assert mid["status"] == "pass" and mid["detail"].startswith("3 request(s) in flight")
+    # a request cut by the kill (no end recorded) and one sent after it
+    cut = load_checks.check_kill_in_flight([req(100.0, 0.1), req(100.2, None)], 100.3)
+    assert cut["status"] == "pass" and cut["detail"].startswith("1 request(s) in flight")
+    after = load_checks.check_kill_in_flight([req(100.0, 0.1), req(100.5, 0.1)], 100.3)
+    assert after["status"] == "pass" and "1 sent after it" in after["detail"]
+    assert load_checks.check_kill_in_flight(done, None)["status"] == "fail"
+
+
 def test_memory_returned_after_a_kill():
     before = {"prefill": _reading(6000, 0), "decode": _reading(5000, 0)}
     idle = {"decode": _reading(5100, 32)}
@@ -371,7 +389,10 @@ def test_every_part_parses_with_the_harnesses_own_parsers(tmp_path, models):
     (aborts,) = seen["d"]
     assert (aborts.abort_every, aborts.repeats) == (9, 5)
     killd, killp = seen["e"]
-    assert (killd.kill, killp.kill) == ("decode", "prefill") and killd.kill_at_s == 1
+    assert (killd.kill, killp.kill) == ("decode", "prefill")
+    # once 48 of the 128 requests completed, whatever their pace: "at +1 s" came after
+    # the whole load with CUDA graphs (2026-11-29d)
+    assert (killd.kill_after, killd.kill_at_s, killd.requests) == (48, None, 128)
     assert killd.modes == killp.modes == ["kvpd-staged", "kvpd-push"]
     (faults,) = seen["f"]
     assert (faults.ucx_fault_lib, faults.ucx_fault_on, faults.ucx_fault_every) == (

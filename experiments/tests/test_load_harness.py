@@ -590,6 +590,7 @@ def test_killed_prefill_leaves_a_decode_that_keeps_serving(tmp_path):
     assert staged["checks"]["survivor"] == ["pass"] and staged["checks"]["requests"] == ["n/a"]
     rep = json.loads((out / "modes" / "kvpd-staged.json").read_text())["repeats"][0]
     assert 0 < rep["n_completed"] < rep["n_sent"]  # the kill landed mid-run
+    assert rep["checks"]["in_flight"]["status"] == "pass", rep["checks"]["in_flight"]
     assert rep["checks"]["survivor"]["survivor"] == "decode"
     assert all(p["matches_reference"] for p in rep["checks"]["survivor"]["probes"])
 
@@ -604,6 +605,7 @@ def test_killed_decode_leaves_a_prefill_that_frees_its_staging(tmp_path):
     # none completed on a busy 2-core CI host, 2026-11-28)
     assert 3 <= rep["n_completed"] < rep["n_sent"]
     assert "after 3 requests completed" in res.stdout
+    assert rep["checks"]["in_flight"]["status"] == "pass", rep["checks"]["in_flight"]
     assert rep["checks"]["survivor"]["status"] == "pass"
     assert summary["modes"]["kvpd-staged"]["verdict"] == "PASS"
     staging = rep["checks"]["staging"]["readings"]["prefill"]
