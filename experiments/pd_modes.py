@@ -245,6 +245,19 @@ SHORT_STEPS_P = ("--max-num-batched-tokens", "2048")
 # P's arrival-to-admit unchanged (24-27 ms) and P's steps longer: e2e p50 1.04-1.05x of
 # kvpd-push-p-sync's. Kept as a negative result; not advised
 LONG_STEPS_P = ("--max-num-batched-tokens", "16384")
+# Prefill steps in CUDA graphs: vLLM 0.30 captures graphs up to 512 tokens by default
+# (its max_cudagraph_capture_size), so P's steps, whole prompts of up to 8192 tokens, ran
+# without one in 91-98% of P's logged steps (2026-11-29d; one instance's too in 18-26% of
+# its steps). With these sizes P's prefill steps may run as piecewise graphs (P's steps
+# were 12.8-26.0 ms p50 there, its queue 26-35 ms: what P's step takes is what a request
+# arriving at P waits). vLLM's default list up to 512, then every 512 tokens up to 8192
+# (vLLM's default token budget on these GPUs); a step pads up to the next size. One
+# instance gets the same sizes in its own flavour, so that the comparison stays even.
+PREFILL_GRAPH_SIZES = ([1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+                       + list(range(1024, 8193, 512)))
+PREFILL_GRAPHS = ("--compilation-config",
+                  '{"cudagraph_capture_sizes": [' +
+                  ", ".join(str(n) for n in PREFILL_GRAPH_SIZES) + "]}")
 
 
 @dataclass(frozen=True)
@@ -309,6 +322,11 @@ LOAD_FLAVOURS: dict[str, LoadFlavour] = {
     "kvpd-push-p-sync-mbt16k": LoadFlavour(
         "PD, kvcached-pd staged push, P --no-async-scheduling --max-num-batched-tokens 16384",
         "staged", "NixlPushConnector", prefill_args=NO_ASYNC + LONG_STEPS_P),
+    # P's prefill steps as CUDA graphs up to 8192 tokens (PREFILL_GRAPHS), and one
+    # instance likewise: not measured yet
+    "kvpd-push-p-sync-pgraphs": LoadFlavour(
+        "PD, kvcached-pd staged push, P --no-async-scheduling and CUDA graphs up to 8192 "
+        "tokens", "staged", "NixlPushConnector", prefill_args=NO_ASYNC + PREFILL_GRAPHS),
     # kvcached-pd's prompt_tail_graph patch left out on both sides (KVCACHED_PD_DISABLE):
     # on vLLM 0.30 (Model Runner V2) D's step running a loaded request's first forward
     # then leaves the FULL decode CUDA graph, as vLLM has it; the A/B of that patch
@@ -325,6 +343,9 @@ LOAD_FLAVOURS: dict[str, LoadFlavour] = {
     # one instance into kvcached's own cost (pages mapped as KV grows) and kvcached-pd's.
     KVCACHED_SINGLE: LoadFlavour("one instance, no PD, kvcached on (its defaults), "
                                  "kvcached-pd off", SINGLE, None),
+    "kvcached-single-graphs": LoadFlavour("one instance as kvcached-single, CUDA graphs "
+                                          "up to 8192 tokens", SINGLE, None,
+                                          prefill_args=PREFILL_GRAPHS),
     "kvcached-single-sync": LoadFlavour("one instance as kvcached-single, "
                                         "--no-async-scheduling", SINGLE, None,
                                         prefill_args=NO_ASYNC),

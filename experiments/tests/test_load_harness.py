@@ -150,6 +150,23 @@ def test_p_side_flavours_change_p_alone_and_mps_ones_need_a_server(tmp_path, mon
     assert pd_load.parse_args(argv).modes[1] == "kvpd-push-p-sync-lowprio"
 
 
+def test_prefill_graph_flavours_add_capture_sizes_to_p_or_the_one_instance_alone():
+    """kvpd-push-p-sync-pgraphs: push P-sync with vLLM's CUDA graph sizes up to 8192
+    tokens on P alone; kvcached-single-graphs: the one instance with the same sizes, for
+    an even comparison."""
+    modes = {m.name: m for m in pd_modes.load_modes([
+        "kvcached-single", "kvcached-single-graphs", "kvpd-push-p-sync",
+        "kvpd-push-p-sync-pgraphs"])}
+    base, ab = modes["kvpd-push-p-sync"], modes["kvpd-push-p-sync-pgraphs"]
+    assert ab.prefill.serve_args == base.prefill.serve_args + pd_modes.PREFILL_GRAPHS
+    assert ab.prefill.env == base.prefill.env and ab.decode == base.decode
+    one, one_graphs = modes["kvcached-single"], modes["kvcached-single-graphs"]
+    assert one_graphs.single.serve_args == one.single.serve_args + pd_modes.PREFILL_GRAPHS
+    assert one_graphs.single.env == one.single.env
+    sizes = json.loads(pd_modes.PREFILL_GRAPHS[1])["cudagraph_capture_sizes"]
+    assert sizes == sorted(set(sizes)) and sizes[-1] == 8192 and 512 in sizes
+
+
 def test_no_tail_graph_flavour_leaves_the_patch_out_on_both_sides_and_nothing_else():
     """The A/B twin of push P-sync: both instances name prompt_tail_graph in
     KVCACHED_PD_DISABLE (a name kvcached-pd knows), every other setting as push P-sync's."""

@@ -92,3 +92,26 @@ def test_logging_config_loads_in_vllm(tmp_path):
     config = json.loads(open(path).read())
     logging.config.dictConfig(config)  # the formatter class must import from vLLM
     assert logging.getLogger("kvcached_pd").handlers
+
+
+def test_every_load_flavour_parses_and_prefill_graphs_reach_vllm(serve_parser):
+    """The load harness's flavours (pd_modes.LOAD_FLAVOURS) parse too; the prefill-graph
+    ones hand vLLM capture sizes up to its 8192-token step, the others leave its default."""
+    settings = pd_servers.ServeSettings(model="/tmp/tiny", max_model_len=4096,
+                                        gpu_memory_utilization=0.04, kv_cache_bytes=None,
+                                        vllm_cmd=["vllm", "serve"], cuda_graphs=True)
+    for mode in pd_modes.load_modes(list(pd_modes.LOAD_FLAVOURS)):
+        roles = {"single": mode.single} if not mode.is_pd else \
+            {"prefill": mode.prefill, "decode": mode.decode}
+        for role, cfg in roles.items():
+            args = pd_servers.serve_args(settings, 18100, cfg.block_size, None, cfg.serve_args)
+            ns = serve_parser.parse_args(["--model", args[0], *args[1:]])
+            cc = ns.compilation_config
+            sizes = cc.get("cudagraph_capture_sizes") if isinstance(cc, dict) else \
+                getattr(cc, "cudagraph_capture_sizes", None)
+            graphs = mode.name in ("kvpd-push-p-sync-pgraphs", "kvcached-single-graphs") \
+                and role in ("prefill", "single")
+            if graphs:
+                assert sizes == pd_modes.PREFILL_GRAPH_SIZES and sizes[-1] == 8192, (mode, role)
+            else:
+                assert not sizes, (mode.name, role, sizes)
