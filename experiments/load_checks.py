@@ -182,6 +182,7 @@ def check_memory_returned(killed: str, before: dict, idle: dict,
         status = ABSENT if ABSENT in states else PASS
     return {"status": status, "detail": "; ".join(parts), "survivor": survivor}
 
+
 def check_kill_in_flight(requests: list[dict], killed_at: float | None) -> dict:
     """Whether a kill landed while the load still had requests on their way: one sent
     before it and not ended by then, or one sent after it. A kill that lands after the

@@ -79,8 +79,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from load_checks import (ABSENT, FAIL, NA, PASS, check_alive, check_kill_in_flight,
-                         check_kv_loaded, check_memory_returned, check_outputs, check_requests, check_staging,
-                         check_wire, latency_stats, ms, staging_expected, verdict_of)
+                         check_kv_loaded, check_memory_returned, check_outputs, check_requests,
+                         check_staging, check_wire, latency_stats, ms, staging_expected,
+                         verdict_of)
 from gpu_memory import PeakSampler, compute_apps_mib, gpu_used_on, instance_memory
 from host_cpu import CpuWindow
 from load_client import AbortPlan, completion_body, run_load, stream_completion
