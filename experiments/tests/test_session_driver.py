@@ -351,6 +351,21 @@ def test_the_kills_get_more_than_one_host_commands_seconds(tmp_path):
     assert int((work / "colo-d" / "budget.txt").read_text()) == 560
 
 
+def _assert_wraps_the_plain_step(tmp_path, lines: dict, lane: str, step: str, suffix: str,
+                                 wrapper: str, gpus: str) -> None:
+    """STEP.SUFFIX's dry-run command is ``gpu_host/WRAPPER`` over the plain step's own
+    command (the same lane, so the same GPU), quoted, in the STEP.SUFFIX step's folder."""
+    w = f"{tmp_path}/s/work/{step}.{suffix}"
+    prefix = f"bash experiments/gpu_host/{wrapper} {w} bash -c "
+    cmd = lines[f"{lane} {step}.{suffix}"]
+    assert cmd.startswith(prefix), cmd
+    inner = subprocess.run(["bash", "-c", "printf %s " + cmd[len(prefix):]],
+                           capture_output=True, text=True).stdout
+    plain = run(tmp_path, "dry", "abc123", SESSION_GPUS=gpus,
+                SESSION_PLAN=f"{lane} {step}").stdout.split(": ", 1)[1].strip()
+    assert inner == plain.replace(f"/work/{step} ", f"/work/{step}.{suffix} "), (inner, plain)
+
+
 def test_a_colocated_step_named_mps_runs_under_the_lanes_own_mps_server(tmp_path):
     """STEP.mps: the colocated step's own command (its instances on the lane's GPU), every
     instance a client of one MPS server (with_mps.sh, its pipes in the step's folder)."""
@@ -358,17 +373,8 @@ def test_a_colocated_step_named_mps_runs_under_the_lanes_own_mps_server(tmp_path
             SESSION_PLAN="T colo-g colo-g.mps;C colo-h.mps colo-d.mps")
     assert r.returncode == 0, r.stderr
     lines = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in r.stdout.splitlines()}
-    for lane, gpu, step in (("T", 0, "colo-g"), ("C", 1, "colo-h"), ("C", 1, "colo-d")):
-        w = f"{tmp_path}/s/work/{step}.mps"
-        prefix = f"bash experiments/gpu_host/with_mps.sh {w} bash -c "
-        cmd = lines[f"{lane} {step}.mps"]
-        assert cmd.startswith(prefix), cmd
-        # the quoted command is the plain step's, in the .mps step's folder
-        inner = subprocess.run(["bash", "-c", "printf %s " + cmd[len(prefix):]],
-                               capture_output=True, text=True).stdout
-        plain = run(tmp_path, "dry", "abc123", SESSION_GPUS="2",
-                    SESSION_PLAN=f"{lane} {step}").stdout.split(": ", 1)[1].strip()
-        assert inner == plain.replace(f"/work/{step} ", f"/work/{step}.mps "), (inner, plain)
+    for lane, step in (("T", "colo-g"), ("C", "colo-h"), ("C", "colo-d")):
+        _assert_wraps_the_plain_step(tmp_path, lines, lane, step, "mps", "with_mps.sh", "2")
     # COLO_B_LOAD_MODES_MPS: the .mps steps' own load modes, the plain steps keep theirs
     r = run(tmp_path, "dry", "abc123", SESSION_GPUS="2", COLO_B_LOAD_MODES_MPS="a,b-lowprio",
             SESSION_PLAN="T colo-h.mps;C colo-g")
@@ -388,15 +394,7 @@ def test_a_colocated_step_named_spy_runs_with_py_spy_on_its_engines(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in r.stdout.splitlines()}
     for step in ("colo-h", "colo-g", "colo-d"):
-        w = f"{tmp_path}/s/work/{step}.spy"
-        prefix = f"bash experiments/gpu_host/with_pyspy.sh {w} bash -c "
-        cmd = lines[f"T {step}.spy"]
-        assert cmd.startswith(prefix), cmd
-        inner = subprocess.run(["bash", "-c", "printf %s " + cmd[len(prefix):]],
-                               capture_output=True, text=True).stdout
-        plain = run(tmp_path, "dry", "abc123", SESSION_GPUS="1",
-                    SESSION_PLAN=f"T {step}").stdout.split(": ", 1)[1].strip()
-        assert inner == plain.replace(f"/work/{step} ", f"/work/{step}.spy "), (inner, plain)
+        _assert_wraps_the_plain_step(tmp_path, lines, "T", step, "spy", "with_pyspy.sh", "1")
     assert "COLO_B_MODELS=tiny" in lines["T colo-h.spy"]
     assert "COLO_B_MODELS=kvbig" in lines["T colo-g.spy"]
 
