@@ -701,7 +701,28 @@ class LoadHarness:
         idle to the host: each NIXL agent's progress thread spins one CPU (vLLM's in every
         PD instance), so the other modes' instances held 6-16 of a lane's CPUs (by
         count) while one mode ran (2026-11-28f: the host 56-95% busy during the loads). A
-        deployment has its own P and D, not ten idle ones beside them."""
+        deployment has its own P and D, not ten idle ones beside them.
+
+        A flavour with ``cpu_spinners`` gets that many processes spinning a CPU each for
+        the same time (frozen or not), stopped afterwards whatever happened."""
+        spinners = self.start_spinners(run)
+        try:
+            with self._frozen_others(run):
+                yield
+        finally:
+            for proc in spinners:
+                proc.kill()
+                proc.wait()
+
+    def start_spinners(self, run: ModeRun) -> list[subprocess.Popen]:
+        flavour = LOAD_FLAVOURS.get(run.mode.name)
+        count = flavour.cpu_spinners if flavour is not None else 0
+        return [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+                for _ in range(count)]
+
+    @contextmanager
+    def _frozen_others(self, run: ModeRun):
         if not self.a.freeze_others:
             yield
             return

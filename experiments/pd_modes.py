@@ -255,6 +255,14 @@ LONG_STEPS_P = ("--max-num-batched-tokens", "16384")
 # instance gets the same sizes in its own flavour, so that the comparison stays even.
 PREFILL_GRAPH_SIZES = ([1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
                        + list(range(1024, 8193, 512)))
+# A PD pair on kvcached-pd's staged path holds four NIXL agents, vLLM's and kvcached-pd's
+# in each of P and D, and each agent's UCX progress thread polls without pause: one CPU
+# each for the process's life (2026-11-28f), on the IPC wire too, where kvcached-pd's
+# agents carry only the DONEs. D's engine loop on vLLM 0.30.0 is host-bound on the tiny
+# model (its decode steps alone 3.5-4.1 ms, 2.9-3.3 on 0.26.0, 2026-11-29/29d), so what
+# four spinning CPUs beside it cost is what kvcached-single-spin4 measures: the one
+# instance with four processes spinning a CPU each while it serves.
+CPU_SPINNERS_OF_A_PD_PAIR = 4
 PREFILL_GRAPHS = ("--compilation-config",
                   '{"cudagraph_capture_sizes": [' +
                   ", ".join(str(n) for n in PREFILL_GRAPH_SIZES) + "]}")
@@ -273,6 +281,9 @@ class LoadFlavour:
     # that sets them names MPS in needs_mps and the load harness refuses it without a server)
     prefill_env: tuple[tuple[str, str], ...] = ()
     env: tuple[tuple[str, str], ...] = ()  # both sides' environment on top of the mode's
+    # processes that each spin one CPU while this mode is measured (pd_load.py), as many as
+    # the busy-polling NIXL progress threads a PD pair brings (CPU_SPINNERS_OF_A_PD_PAIR)
+    cpu_spinners: int = 0
 
     @property
     def needs_mps(self) -> bool:
@@ -346,6 +357,10 @@ LOAD_FLAVOURS: dict[str, LoadFlavour] = {
     "kvcached-single-graphs": LoadFlavour("one instance as kvcached-single, CUDA graphs "
                                           "up to 8192 tokens", SINGLE, None,
                                           prefill_args=PREFILL_GRAPHS),
+    "kvcached-single-spin4": LoadFlavour(
+        "one instance as kvcached-single, four processes spinning a CPU each beside it (a "
+        "PD pair's NIXL progress threads)", SINGLE, None,
+        cpu_spinners=CPU_SPINNERS_OF_A_PD_PAIR),
     "kvcached-single-sync": LoadFlavour("one instance as kvcached-single, "
                                         "--no-async-scheduling", SINGLE, None,
                                         prefill_args=NO_ASYNC),

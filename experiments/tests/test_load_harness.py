@@ -260,6 +260,40 @@ def test_freeze_others_stops_every_other_modes_process_groups_while_one_runs(tmp
             p.wait()
 
 
+def test_a_spinner_flavour_runs_beside_cpu_spinning_processes_only_while_measured(tmp_path):
+    """kvcached-single-spin4: the one instance as kvcached-single, and while it is measured
+    (not the reference, nor after, nor when the pass fails) four processes that each keep
+    a CPU busy."""
+    from host_cpu import tree_cpu_s
+
+    a = pd_load.parse_args(["--out", str(tmp_path), "--model", str(tmp_path), "--modes",
+                            "kvcached-single,kvcached-single-spin4", "--no-environment"])
+    h = pd_load.LoadHarness(a)
+    modes = {m.name: m for m in pd_modes.load_modes(a.modes)}
+    assert modes["kvcached-single-spin4"].single == modes["kvcached-single"].single
+    for mode in modes.values():
+        h.runs[mode.name] = pd_load.ModeRun(mode)
+    started = []
+    spawn = h.start_spinners
+    h.start_spinners = lambda run: started.append(spawn(run)) or started[-1]
+    with h.alone(h.runs["reference"]), h.alone(h.runs["kvcached-single"]):
+        pass
+    assert started == [[], []]
+    with pytest.raises(RuntimeError):
+        with h.alone(h.runs["kvcached-single-spin4"]):
+            spinners = started[-1]
+            assert len(spinners) == pd_modes.CPU_SPINNERS_OF_A_PD_PAIR == 4
+            time.sleep(0.2)
+            before = {p.pid: tree_cpu_s(p.pid) for p in spinners}
+            time.sleep(0.5)
+            busy = [tree_cpu_s(p.pid) - before[p.pid] for p in spinners]
+            # each spins: most of the half second on a CPU (this machine has 2, so 4
+            # spinners get about half of one each, the test's own process beside them)
+            assert sum(busy) > 0.6, busy
+            raise RuntimeError("the pass failed")
+    assert all(p.poll() is not None for p in spinners)
+
+
 def test_a_p_sync_mode_starts_p_with_the_flag_and_d_without(tmp_path):
     """(With --freeze-others: the load passes with the other modes' servers stopped
     while one mode runs, and the summary says so.)"""
