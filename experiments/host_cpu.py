@@ -78,5 +78,9 @@ class CpuWindow:
         cpu_s = {}
         for k, pid in self.roots.items():
             now, then = tree_cpu_s(pid, self.proc_dir), self._trees.get(k)
-            cpu_s[k] = None if now is None or then is None else round(now - then, 3)
+            # a tree's CPU seconds only grow while its processes live; less at the stop
+            # than at the start means some of them ended (an instance killed mid-load,
+            # 2026-11-29e: -2280.8 ms a request), and what they used is no longer readable
+            cpu_s[k] = None if now is None or then is None or now < then \
+                else round(now - then, 3)
         return {"busy_pct": busy, "cpus": os.cpu_count(), "cpu_s": cpu_s}

@@ -63,6 +63,22 @@ def test_a_window_reports_what_happened_between_start_and_stop(tmp_path):
     assert got["cpu_s"] == {"prefill": 3.0, "proxy": 0.0, "gone": None}
 
 
+def test_a_tree_that_lost_processes_in_the_window_reports_no_cpu(tmp_path):
+    """An instance killed mid-load: its engine process is gone at the stop, and the
+    root's own seconds alone are less than the tree's at the start; no CPU is reported
+    for it, not a negative one (2026-11-29e's kill runs printed -2280.8 ms a request)."""
+    _stat(tmp_path, 100, 0, 100, 800, 0)
+    _proc(tmp_path, 10, 1, 1 * TICK, 0)  # the server
+    _proc(tmp_path, 11, 10, 5 * TICK, 0)  # its engine core
+    window = host_cpu.CpuWindow({"decode": 10}, str(tmp_path)).start()
+    _stat(tmp_path, 160, 0, 140, 900, 0)
+    _proc(tmp_path, 10, 1, 2 * TICK, 0)
+    for name in os.listdir(tmp_path / "11"):
+        os.remove(tmp_path / "11" / name)
+    os.rmdir(tmp_path / "11")
+    assert window.stop()["cpu_s"] == {"decode": None}
+
+
 def test_a_window_on_this_process_sees_its_own_work():
     """The real /proc: a busy loop of this process shows in its tree and in the host."""
     window = host_cpu.CpuWindow({"me": os.getpid()}).start()
