@@ -253,6 +253,9 @@ LONG_STEPS_P = ("--max-num-batched-tokens", "16384")
 # arriving at P waits). vLLM's default list up to 512, then every 512 tokens up to 8192
 # (vLLM's default token budget on these GPUs); a step pads up to the next size. One
 # instance gets the same sizes in its own flavour, so that the comparison stays even.
+# Measured (2026-11-29e, six runs): every step of P PIECEWISE, P's steps 15-35% shorter,
+# PD's e2e p50 median 1.35x -> 1.26x one instance, p90 1.33x -> 1.17x; but one instance
+# with the same sizes 0.91x itself, so like for like PD stays at 1.42x (median).
 PREFILL_GRAPH_SIZES = ([1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
                        + list(range(1024, 8193, 512)))
 # A PD pair on kvcached-pd's staged path holds four NIXL agents, vLLM's and kvcached-pd's
@@ -262,6 +265,9 @@ PREFILL_GRAPH_SIZES = ([1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513,
 # model (its decode steps alone 3.5-4.1 ms, 2.9-3.3 on 0.26.0, 2026-11-29/29d), so what
 # four spinning CPUs beside it cost is what kvcached-single-spin4 measures: the one
 # instance with four processes spinning a CPU each while it serves.
+# Measured (2026-11-29e, one H200 of 16 cores, six runs): e2e p50 0.91-1.13x of the one
+# instance alone (median 0.97x), p90 median 0.93x; the TTFT batch 1.28x and 1.14x. Not
+# what keeps PD above one instance there.
 CPU_SPINNERS_OF_A_PD_PAIR = 4
 PREFILL_GRAPHS = ("--compilation-config",
                   '{"cudagraph_capture_sizes": [' +
@@ -334,7 +340,7 @@ LOAD_FLAVOURS: dict[str, LoadFlavour] = {
         "PD, kvcached-pd staged push, P --no-async-scheduling --max-num-batched-tokens 16384",
         "staged", "NixlPushConnector", prefill_args=NO_ASYNC + LONG_STEPS_P),
     # P's prefill steps as CUDA graphs up to 8192 tokens (PREFILL_GRAPHS), and one
-    # instance likewise: not measured yet
+    # instance likewise (2026-11-29e: both faster, one instance more)
     "kvpd-push-p-sync-pgraphs": LoadFlavour(
         "PD, kvcached-pd staged push, P --no-async-scheduling and CUDA graphs up to 8192 "
         "tokens", "staged", "NixlPushConnector", prefill_args=NO_ASYNC + PREFILL_GRAPHS),
