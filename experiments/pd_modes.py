@@ -266,8 +266,8 @@ PREFILL_GRAPH_SIZES = ([1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513,
 # four spinning CPUs beside it cost is what kvcached-single-spin4 measures: the one
 # instance with four processes spinning a CPU each while it serves.
 # Measured (2026-11-29e, one H200 of 16 cores, six runs): e2e p50 0.91-1.13x of the one
-# instance alone (median 0.97x), p90 median 0.93x; the TTFT batch 1.28x and 1.14x. Not
-# what keeps PD above one instance there.
+# instance alone (median 0.97x), p90 median 0.93x: not what keeps PD's loads above one
+# instance there; the TTFT batch (one sample a run) 1.28x and 1.14x.
 CPU_SPINNERS_OF_A_PD_PAIR = 4
 PREFILL_GRAPHS = ("--compilation-config",
                   '{"cudagraph_capture_sizes": [' +
