@@ -258,6 +258,9 @@ LONG_STEPS_P = ("--max-num-batched-tokens", "16384")
 # with the same sizes 0.91x itself, so like for like PD stays at 1.42x (median).
 PREFILL_GRAPH_SIZES = ([1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
                        + list(range(1024, 8193, 512)))
+PREFILL_GRAPHS = ("--compilation-config",
+                  '{"cudagraph_capture_sizes": [' +
+                  ", ".join(str(n) for n in PREFILL_GRAPH_SIZES) + "]}")
 # A PD pair on kvcached-pd's staged path holds four NIXL agents, vLLM's and kvcached-pd's
 # in each of P and D, and each agent's UCX progress thread polls without pause: one CPU
 # each for the process's life (2026-11-28f), on the IPC wire too, where kvcached-pd's
@@ -269,9 +272,6 @@ PREFILL_GRAPH_SIZES = ([1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513,
 # instance alone (median 0.97x), p90 median 0.93x: not what keeps PD's loads above one
 # instance there; the TTFT batch (one sample a run) 1.28x and 1.14x.
 CPU_SPINNERS_OF_A_PD_PAIR = 4
-PREFILL_GRAPHS = ("--compilation-config",
-                  '{"cudagraph_capture_sizes": [' +
-                  ", ".join(str(n) for n in PREFILL_GRAPH_SIZES) + "]}")
 
 
 @dataclass(frozen=True)
