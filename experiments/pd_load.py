@@ -11,7 +11,8 @@ picks kvcached's contiguous default or the split layout). Then:
 1. a warm-up per pair: one short request (NIXL's handshake is paid here, not in a
    measurement), then long prompts of the TTFT batch's shape (--no-long-warm-up: not);
 2. the reference serves the load once, without aborts: the ground truth per prompt;
-3. optionally (--ttft-batch N) N concurrent long prompts per mode: time to first token;
+3. optionally (--ttft-batch N) N concurrent long prompts per mode: time to first token
+   (--ttft-batch-repeats R: R batches a mode, the modes in turn, one p50 over them all);
 4. --repeats times, mode after mode (interleaved, so drift hits every mode alike): the load,
    N mixed-length greedy requests (pd_common.load_prompts), --concurrency at a time,
    streamed (temperature 0, ignore_eos, return_token_ids, --max-tokens), every k-th one
@@ -59,7 +60,8 @@ critical_path.py). Exit status 0 only when every mode passed; 1 when one failed;
 nothing failed but a check could not be made.
 
 usage: pd_load.py --out OUT [--model /tmp/tiny] [--abort-every 9 --abort-prefill-ms 50
-                  --abort-decode-ms 10] [--repeats 5] [--ttft-batch 8] ...
+                  --abort-decode-ms 10] [--repeats 5] [--ttft-batch 8
+                  [--ttft-batch-repeats 3]] ...
 """
 
 from __future__ import annotations
@@ -680,7 +682,8 @@ class LoadHarness:
         requests = run_load(run.url, a.model, self.ttft_prompts, a.max_tokens,
                             len(self.ttft_prompts), a.request_timeout)
         if run.mode.name == "reference":
-            self.reference_ttft = {r["name"]: r["token_ids"] for r in requests if r["ok"]}
+            if not self.reference_ttft:  # its first batch, for every mode's every batch
+                self.reference_ttft = {r["name"]: r["token_ids"] for r in requests if r["ok"]}
             outputs = {"status": NA, "detail": "the reference"}
         else:
             outputs = check_outputs(requests, self.reference_ttft)
@@ -768,10 +771,14 @@ class LoadHarness:
             self.run_reference(ref)
         self.write()
         if a.ttft_batch:
-            for run in [ref] + singles + pd_runs:
-                if run.broken is None and not self.deadline.expired(a.reserve_s + 30):
-                    with self.alone(run):
-                        run.ttft = self.ttft_batch(run)
+            batches: dict[str, list[dict]] = {}
+            for _ in range(a.ttft_batch_repeats):  # the modes in turn, each time
+                for run in [ref] + singles + pd_runs:
+                    if run.broken is None and not self.deadline.expired(a.reserve_s + 30):
+                        with self.alone(run):
+                            batches.setdefault(run.mode.name, []).append(
+                                self.ttft_batch(run))
+                        run.ttft = combine_ttft_batches(batches[run.mode.name])
         steps: list[float] = []  # how long one repeat of one mode took, so far
         for index in range(1, a.repeats + 1):
             for run in singles + pd_runs:
@@ -890,6 +897,8 @@ class LoadHarness:
             "ucx_faults_injected": _faults_injected(reps),
             "latency": latency_stats(pooled),
             "ttft_batch": run.ttft["latency"] if run.ttft else None,
+            "ttft_batches_p50_ms": ([b["ttft_p50_ms"] for b in run.ttft.get("batches", [])]
+                                    if run.ttft else None),
             "kvcached_pd": evidence,
             "memory": reps[-1].get("memory") if reps else None,
             "gpu_used_mib": reps[-1].get("gpu_used_mib") if reps else None,
@@ -949,6 +958,25 @@ class LoadHarness:
                     w.writerow({"mode": name, "repeat": "ttft-batch",
                                 "completed": run.ttft["latency"]["n"],
                                 **{k: v for k, v in run.ttft["latency"].items() if k in cols}})
+
+
+def combine_ttft_batches(batches: list[dict]) -> dict:
+    """A mode's TTFT batches (``--ttft-batch-repeats``) as one: the latency over every
+    batch's requests, each batch's own latency in ``batches``, the outputs of the first
+    batch that failed or lacked them (else the first's), and the first batch's requests
+    (one batch's, as ``ttft_batch_timeline.py`` reads them)."""
+    requests = [r for b in batches for r in b["requests"]]
+    lat = latency_stats(requests)
+    vals = [r["ttft_s"] for r in requests if r["ok"] and r["ttft_s"] is not None]
+    lat["ttft_max_ms"] = ms(max(vals)) if vals else None
+    outputs = batches[0]["outputs"]
+    for i, b in enumerate(batches, 1):
+        if b["outputs"]["status"] in (FAIL, ABSENT):
+            outputs = {**b["outputs"], "detail": f"batch {i} of {len(batches)}: "
+                       f"{b['outputs']['detail']}"}
+            break
+    return {"latency": lat, "outputs": outputs, "requests": batches[0]["requests"],
+            "batches": [b["latency"] for b in batches]}
 
 
 def last_repeat_that_fits(index: int, repeats: int, remaining_s: float, reserve_s: float,
@@ -1062,9 +1090,12 @@ def render_summary(doc: dict) -> str:
             t = r.get("ttft_batch")
             if t:
                 x = (r.get("vs_vanilla") or {}).get("ttft_batch.ttft_p50_ms")
+                each = r.get("ttft_batches_p50_ms") or []
                 lines.append(f"  {name:<14} n {t['n']:>2}  p50 {_f(t['ttft_p50_ms'])}  p90 "
                              f"{_f(t['ttft_p90_ms'])}  max {_f(t.get('ttft_max_ms'))}  "
-                             f"x vanilla {_f(x, 2)}")
+                             f"x vanilla {_f(x, 2)}"
+                             + (f"  batches' p50 {' / '.join(_f(v) for v in each)}"
+                                if len(each) > 1 else ""))
     details = [(n, line) for n, r in doc["modes"].items() for line in r["reasons"]]
     if details or doc["notes"]:
         lines += ["", "Details:"]
@@ -1277,6 +1308,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ttft-batch", type=int, default=0,
                     help="also N concurrent --ttft-prompt-tokens prompts per mode (0: off)")
     ap.add_argument("--ttft-prompt-tokens", type=int, default=3000)
+    ap.add_argument("--ttft-batch-repeats", type=int, default=1,
+                    help="run the TTFT batch this many times per mode, the modes in turn "
+                         "each time; its p50 and p90 are over every batch's requests, "
+                         "each batch's p50 listed too (one batch of 8 is one sample: a "
+                         "kvcached-pd mode's ratio moved 1.35x-1.63x between runs)")
     ap.add_argument("--long-warm-up", action=argparse.BooleanOptionalAction, default=True,
                     help="warm every instance up with long prompts too (the TTFT batch's "
                          "shape, or one of the load's longest length) before measuring, so "
@@ -1431,6 +1467,8 @@ def validate(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.max_prompt_tokens > room:
         ap.error(f"--max-prompt-tokens {a.max_prompt_tokens} + --max-tokens {a.max_tokens} "
                  f"exceed --max-model-len {a.max_model_len}")
+    if a.ttft_batch_repeats < 1:
+        ap.error(f"--ttft-batch-repeats {a.ttft_batch_repeats}: must be >= 1")
     if a.ttft_batch and a.ttft_prompt_tokens > room:
         ap.error(f"--ttft-prompt-tokens {a.ttft_prompt_tokens} does not fit --max-model-len")
     if a.kv_cache_gib is None:

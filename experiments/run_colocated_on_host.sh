@@ -25,6 +25,7 @@
 #          --no-async-scheduling, one instance with and without it, and push as vLLM
 #          defaults it, for the change; e.g. kvcached-single,kvpd-push for an A/B of one
 #          mode against one instance);
+#          COLO_TTFT_REPEATS (default 3): kvbig's TTFT batch that many times a mode.
 #          COLO_CUDA_GRAPHS=1 (parts a to e): vLLM's CUDA graphs in every
 #          instance instead of --enforce-eager (below). COLO_SERVE_ARGS: `vllm serve`
 #          flags for every instance of the loads (e.g. --cudagraph-metrics).
@@ -135,6 +136,11 @@ STAGING_ARGS=()
 # prompt_tail_graph patch (2026-11-29c)
 SERVE_ARGS=()
 [ -n "${COLO_SERVE_ARGS:-}" ] && SERVE_ARGS=("--extra-serve-args=$COLO_SERVE_ARGS")
+# COLO_TTFT_REPEATS (default 3): part b's kvbig TTFT batch (8 x 3000 tokens) this many
+# times a mode, the modes in turn (pd_load.py --ttft-batch-repeats): one batch is one
+# sample, and the same tree's push P-sync measured 1.35x one instance in one run and
+# 1.57x / 1.63x in the next two (2026-11-29d/e); the repeats cost vanilla PD ~14 s each
+TTFT_REPEATS=${COLO_TTFT_REPEATS:-3}
 # COLO_FREEZE_OTHERS=1: part b's loads stop every other mode's servers while one mode is
 # measured (pd_load.py --freeze-others): an idle PD instance's NIXL agents spin a CPU each,
 # and the other modes' instances held 6-16 of a lane's CPUs, by count (2026-11-28f)
@@ -193,7 +199,8 @@ b)
         share=20; [ "${#b_models[@]}" -gt 1 ] && share=11
         traffic kvbig $(( $(left) * share / 20 - (share == 20 ? 25 : 0) )) --model "$KVBIG" \
           --modes "$B_MODES" \
-          --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 --settle-s 20 \
+          --push-concurrent --repeats 2 --ttft-batch 8 --ttft-prompt-tokens 3000 \
+          --ttft-batch-repeats "$TTFT_REPEATS" --settle-s 20 \
           --expect-wire "$WIRE" --trace "${GRAPH_ARGS[@]}" "${STAGING_ARGS[@]}" "${FREEZE_ARGS[@]}" "${GPU_ARGS[@]}" \
           "${SERVE_ARGS[@]}" ;;
       tiny)

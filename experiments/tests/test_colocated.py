@@ -517,6 +517,11 @@ def test_cuda_graphs_and_the_loads_of_part_b_when_asked(tmp_path, models):
     ((alone, a_budget),) = loads(COLO_CUDA_GRAPHS="1", COLO_B_MODELS="kvbig")
     assert alone.cuda_graphs and alone.model.endswith("kvbig") and alone.ttft_batch == 8
     assert a_budget > k_budget + 200  # the whole part, less the packing margin
+    # kvbig's TTFT batch three times a mode unless COLO_TTFT_REPEATS says otherwise (one
+    # batch is one sample: 1.35x in one run, 1.57x / 1.63x in the next two, 2026-11-29d/e)
+    assert kvbig.ttft_batch_repeats == 3 and tiny.ttft_batch == 0
+    ((once, _),) = loads(COLO_TTFT_REPEATS="1", COLO_B_MODELS="kvbig")
+    assert once.ttft_batch_repeats == 1
     ((t, _),) = loads(COLO_B_MODELS="tiny")
     assert t.model.endswith("tiny") and not t.cuda_graphs
     # COLO_STAGING_MB reaches both loads (the harness strips the caller's KVCACHED_*)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -337,6 +338,47 @@ def test_a_kvcached_single_instance_serves_every_repeat_checked_against_the_refe
     assert summary["modes"]["reference"]["verdict"] == "PASS"
 
 
+def test_the_ttft_batch_repeated_is_one_measure_over_every_batch_each_checked(tmp_path):
+    """--ttft-batch-repeats 3: every mode's batch three times, the modes in turn; the p50
+    is over all six requests, each batch's p50 listed in the summary, and every batch's
+    outputs checked against the reference's."""
+    res, summary, out = _run_load(tmp_path, "--modes", "kvcached-single", "--repeats", "1",
+                                  "--ttft-batch", "2", "--ttft-batch-repeats", "3",
+                                  "--ttft-prompt-tokens", "300")
+    assert res.returncode == 0, res.stdout[-3000:]
+    for name in ("reference", "kvcached-single"):
+        mode = summary["modes"][name]
+        assert mode["ttft_batch"]["n"] == 6 and len(mode["ttft_batches_p50_ms"]) == 3
+    single = summary["modes"]["kvcached-single"]
+    assert single["checks"]["ttft_outputs"] == ["pass"]
+    line = next(x for x in (out / "summary.txt").read_text().splitlines()
+                if x.strip().startswith("kvcached-single n"))
+    assert "batches' p50" in line and line.count(" / ") == 2
+    # the modes in turn: the reference's second batch after the instance's first
+    log = res.stdout + res.stderr
+    order = re.findall(r"^\[[\d:]+\]\s+(\S+)\s+TTFT batch 2 x 300", log, re.M)
+    assert order == ["reference", "kvcached-single"] * 3, order
+
+
+def test_combined_ttft_batches_fail_on_any_batch_that_differs():
+    def batch(ttfts, status, detail=""):
+        reqs = [{"name": f"t{i}", "ok": True, "ttft_s": t, "e2e_s": t + 0.01,
+                 "token_ids": [1]} for i, t in enumerate(ttfts)]
+        return {"latency": load_checks.latency_stats(reqs), "requests": reqs,
+                "outputs": {"status": status, "detail": detail}}
+
+    one = batch([0.1, 0.2], load_checks.PASS, "2 of 2 equal")
+    two = batch([0.3, 0.4], load_checks.FAIL, "t1 differs")
+    three = batch([0.5, 0.6], load_checks.PASS, "2 of 2 equal")
+    got = pd_load.combine_ttft_batches([one, two, three])
+    assert got["latency"]["n"] == 6 and got["latency"]["ttft_max_ms"] == 600.0
+    assert [b["n"] for b in got["batches"]] == [2, 2, 2]
+    assert got["outputs"]["status"] == load_checks.FAIL
+    assert got["outputs"]["detail"] == "batch 2 of 3: t1 differs"
+    assert got["requests"] == one["requests"]  # one batch's, for ttft_batch_timeline.py
+    assert pd_load.combine_ttft_batches([one, three])["outputs"] == one["outputs"]
+
+
 def test_bad_options_stop_before_any_server_starts(tmp_path, capsys):
     for args, words in ((["--modes", "kvpd-direct"], "--kvcached-layout split"),
                         (["--abort-every", "9"], "--abort-prefill-ms"),
@@ -348,7 +390,8 @@ def test_bad_options_stop_before_any_server_starts(tmp_path, capsys):
                         (["--kill-after", "3"], "--kill goes with"),
                         (["--ucx-fault-lib", str(tmp_path / "nope.so")], "no such file"),
                         (["--modes", "vanilla,nope"], "unknown mode"),
-                        (["--max-prompt-tokens", "4090"], "exceed --max-model-len")):
+                        (["--max-prompt-tokens", "4090"], "exceed --max-model-len"),
+                        (["--ttft-batch", "8", "--ttft-batch-repeats", "0"], "must be >= 1")):
         with pytest.raises(SystemExit):
             pd_load.parse_args(["--out", str(tmp_path), "--model", str(tmp_path), *args])
         assert words in capsys.readouterr().err
