@@ -687,9 +687,7 @@ class LoadHarness:
             outputs = {"status": NA, "detail": "the reference"}
         else:
             outputs = check_outputs(requests, self.reference_ttft)
-        lat = latency_stats(requests)
-        vals = [r["ttft_s"] for r in requests if r["ok"] and r["ttft_s"] is not None]
-        lat["ttft_max_ms"] = ms(max(vals)) if vals else None
+        lat = ttft_latency(requests)
         log(f"  {run.mode.name:<14} TTFT batch {len(requests)} x {a.ttft_prompt_tokens} tokens: "
             f"p50 {lat['ttft_p50_ms']} ms, max {lat['ttft_max_ms']} ms, {lat['n']} ok")
         return {"latency": lat, "outputs": outputs, "requests": requests}
@@ -960,15 +958,20 @@ class LoadHarness:
                                 **{k: v for k, v in run.ttft["latency"].items() if k in cols}})
 
 
+def ttft_latency(requests: list[dict]) -> dict:
+    """A TTFT batch's latency: the load's statistics and its slowest first token."""
+    lat = latency_stats(requests)
+    vals = [r["ttft_s"] for r in requests if r["ok"] and r["ttft_s"] is not None]
+    lat["ttft_max_ms"] = ms(max(vals)) if vals else None
+    return lat
+
+
 def combine_ttft_batches(batches: list[dict]) -> dict:
     """A mode's TTFT batches (``--ttft-batch-repeats``) as one: the latency over every
     batch's requests, each batch's own latency in ``batches``, the outputs of the first
     batch that failed or lacked them (else the first's), and the first batch's requests
     (one batch's, as ``ttft_batch_timeline.py`` reads them)."""
-    requests = [r for b in batches for r in b["requests"]]
-    lat = latency_stats(requests)
-    vals = [r["ttft_s"] for r in requests if r["ok"] and r["ttft_s"] is not None]
-    lat["ttft_max_ms"] = ms(max(vals)) if vals else None
+    lat = ttft_latency([r for b in batches for r in b["requests"]])
     outputs = batches[0]["outputs"]
     for i, b in enumerate(batches, 1):
         if b["outputs"]["status"] in (FAIL, ABSENT):
