@@ -344,6 +344,14 @@ LOAD_FLAVOURS: dict[str, LoadFlavour] = {
     "kvpd-push-p-sync-pgraphs": LoadFlavour(
         "PD, kvcached-pd staged push, P --no-async-scheduling and CUDA graphs up to 8192 "
         "tokens", "staged", "NixlPushConnector", prefill_args=NO_ASYNC + PREFILL_GRAPHS),
+    # The two P-side changes that each shortened PD's loads, together: P's prefill steps as
+    # CUDA graphs (pgraphs: e2e p50 median 1.35x -> 1.26x one instance, 2026-11-29e) and P
+    # an MPS client held to 60% of the SMs (sm60: kvbig e2e p50 1.07-1.14x, against push
+    # P-sync's 1.10-1.19x under the same MPS server, 2026-11-28f); MPS as for sm60
+    "kvpd-push-p-sync-pgraphs-sm60": LoadFlavour(
+        "PD, kvcached-pd staged push, P --no-async-scheduling, CUDA graphs up to 8192 "
+        "tokens and an MPS client held to 60% of the GPU's SMs", "staged",
+        "NixlPushConnector", prefill_args=NO_ASYNC + PREFILL_GRAPHS, prefill_env=MPS_SM60_P),
     # kvcached-pd's prompt_tail_graph patch left out on both sides (KVCACHED_PD_DISABLE):
     # on vLLM 0.30 (Model Runner V2) D's step running a loaded request's first forward
     # then leaves the FULL decode CUDA graph, as vLLM has it; the A/B of that patch

@@ -157,10 +157,16 @@ def test_prefill_graph_flavours_add_capture_sizes_to_p_or_the_one_instance_alone
     an even comparison."""
     modes = {m.name: m for m in pd_modes.load_modes([
         "kvcached-single", "kvcached-single-graphs", "kvpd-push-p-sync",
-        "kvpd-push-p-sync-pgraphs"])}
+        "kvpd-push-p-sync-pgraphs", "kvpd-push-p-sync-sm60", "kvpd-push-p-sync-pgraphs-sm60"])}
     base, ab = modes["kvpd-push-p-sync"], modes["kvpd-push-p-sync-pgraphs"]
     assert ab.prefill.serve_args == base.prefill.serve_args + pd_modes.PREFILL_GRAPHS
     assert ab.prefill.env == base.prefill.env and ab.decode == base.decode
+    # both P-side changes together: pgraphs' flags, sm60's MPS share, D as push P-sync's
+    both, sm60 = modes["kvpd-push-p-sync-pgraphs-sm60"], modes["kvpd-push-p-sync-sm60"]
+    assert both.prefill.serve_args == ab.prefill.serve_args
+    assert both.prefill.env == sm60.prefill.env != base.prefill.env
+    assert both.decode == base.decode
+    assert pd_modes.LOAD_FLAVOURS["kvpd-push-p-sync-pgraphs-sm60"].needs_mps
     one, one_graphs = modes["kvcached-single"], modes["kvcached-single-graphs"]
     assert one_graphs.single.serve_args == one.single.serve_args + pd_modes.PREFILL_GRAPHS
     assert one_graphs.single.env == one.single.env

@@ -109,7 +109,8 @@ def test_every_load_flavour_parses_and_prefill_graphs_reach_vllm(serve_parser):
             cc = ns.compilation_config
             sizes = cc.get("cudagraph_capture_sizes") if isinstance(cc, dict) else \
                 getattr(cc, "cudagraph_capture_sizes", None)
-            graphs = mode.name in ("kvpd-push-p-sync-pgraphs", "kvcached-single-graphs") \
+            graphs = mode.name in ("kvpd-push-p-sync-pgraphs", "kvcached-single-graphs",
+                                   "kvpd-push-p-sync-pgraphs-sm60") \
                 and role in ("prefill", "single")
             if graphs:
                 assert sizes == pd_modes.PREFILL_GRAPH_SIZES and sizes[-1] == 8192, (mode, role)
