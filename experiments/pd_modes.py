@@ -347,7 +347,10 @@ LOAD_FLAVOURS: dict[str, LoadFlavour] = {
     # The two P-side changes that each shortened PD's loads, together: P's prefill steps as
     # CUDA graphs (pgraphs: e2e p50 median 1.35x -> 1.26x one instance, 2026-11-29e) and P
     # an MPS client held to 60% of the SMs (sm60: kvbig e2e p50 1.07-1.14x, against push
-    # P-sync's 1.10-1.19x under the same MPS server, 2026-11-28f); MPS as for sm60
+    # P-sync's 1.10-1.19x under the same MPS server, 2026-11-28f); MPS as for sm60.
+    # Measured (2026-11-29f, eight runs under MPS): no gain over pgraphs alone (e2e p50
+    # medians tiny 1.35x against 1.30x, kvbig 1.10x against 1.05x; TTFT batch 1.25x
+    # against 1.11x): not advised
     "kvpd-push-p-sync-pgraphs-sm60": LoadFlavour(
         "PD, kvcached-pd staged push, P --no-async-scheduling, CUDA graphs up to 8192 "
         "tokens and an MPS client held to 60% of the GPU's SMs", "staged",
