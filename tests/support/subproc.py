@@ -88,13 +88,19 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 import vllm.v1.core.sched.scheduler
 import vllm.plugins
-# vLLM inspects a model's architecture once per process (its registry's caches): warm it
+# vLLM inspects a model's architecture once per process (its registry's caches): warm it,
+# with a model config alone (a config naming a KV connector imports the connector)
 import tempfile as _t
 from tests.support import vllm_nixl_worker as _vw
-_vw.make_vllm_config(_vw.write_tiny_llama(_t.mkdtemp()))
-# what must stay untouched for a child to be as new as a fresh interpreter
+vllm.config.ModelConfig(model=_vw.write_tiny_llama(_t.mkdtemp()), dtype="float16",
+                        skip_tokenizer_init=True)
+# what must stay untouched for a child to be as new as a fresh interpreter: kvcached(-pd),
+# and vLLM's NIXL connector, whose import is where kvcached-pd's and kvcached's patches
+# meet (the import-order tests import it in the child; 0.1 s there once the rest is in)
 assert not any(m == "kvcached_pd" or m.startswith(("kvcached_pd.", "kvcached"))
                for m in sys.modules), "the fork server imported kvcached(-pd)"
+assert not any(m.startswith("vllm.distributed.kv_transfer.kv_connector.v1.nixl")
+               for m in sys.modules), "the fork server imported vLLM's NIXL connector"
 assert not getattr(vllm.plugins, "plugins_loaded", False), "vLLM's plugins were loaded"
 base_path = list(sys.path)
 print("ready", file=proto, flush=True)
