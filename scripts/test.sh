@@ -19,7 +19,7 @@
 #    (-p tests.support.no_vllm: `import vllm` fails there, so a test that passes cannot
 #    depend on the release; one that needs vLLM fails and is moved out of the list);
 # 2. per release, the tests that build NIXL agents inside the pytest process
-#    (tests/test_connector_*.py, tests/test_nixl_registration*.py), in three processes;
+#    (tests/test_connector_*.py, tests/test_nixl_registration*.py), in two processes;
 # 3. per release, everything else, in two processes.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -75,33 +75,26 @@ for path in "${INDEPENDENT_SCRIPTS[@]}"; do  # each must stay in RELEASE_INDEPEN
 done
 # The test files whose tests build NIXL agents in the pytest process (group 2).
 NIXL_IN_PROCESS=(tests/test_connector_*.py tests/test_nixl_registration*.py)
-# Group 2 runs as two halves side by side: NIXL_WAITS (the files whose tests run past
+# Group 2 runs as two processes side by side: NIXL_WAITS (the files whose tests run past
 # KV leases: most of their time is waiting) and the others. As one process it was the
 # longest group of every release with push mode (231-275 s, the rest 194-214 s, 2 cores,
 # 2026-11-27); split, on vLLM 0.26.0 beside the rest: 132 s and 104 s (the rest 149 s),
 # against 201 s (the rest 138 s) as one. Every file of NIXL_IN_PROCESS not named here
-# runs in the other half, so a new file is never left out.
-# The waiting half is itself two processes, test_connector_pd.py (NIXL_WAITS_PD) and the
-# push files: on vLLM 0.30.0 alone (2 cores, 2026-11-29) it took 202 s of wall time for
-# 107 s of CPU (101 s of tests in test_connector_pd.py, 83 s in the push files), every
-# release's longest group, while the release's four groups took 330 CPU-seconds in all
-# (165 s on 2 cores): its waits, not the CPU, set each release's time.
+# runs in the other half, so a new file is never left out. The waiting half as two
+# processes (test_connector_pd.py apart, 2026-11-29) was slower: with a fifth process
+# every group ran longer on the 2 cores (vLLM 0.33.0's longest 218 -> 287 s, 0.32.0's
+# 206 -> 252 s, the next venv's install beside them 107-162 -> 171-198 s, fresh clones):
+# a release is CPU-bound once its groups run side by side, though its waiting group
+# alone takes 202 s of wall for 107 s of CPU (0.30.0).
 NIXL_WAITS=(tests/test_connector_pd.py tests/test_connector_push.py
             tests/test_connector_push_ipc.py tests/test_connector_push_concurrent.py
             tests/test_connector_mixed.py tests/test_connector_metrics.py)
-NIXL_WAITS_PD=(tests/test_connector_pd.py)
-NIXL_WAITS_PUSH=()
 NIXL_OTHERS=()
 for path in "${NIXL_IN_PROCESS[@]}"; do
   [[ " ${NIXL_WAITS[*]} " == *" $path "* ]] || NIXL_OTHERS+=("$path")
 done
 for path in "${NIXL_WAITS[@]}"; do  # a renamed file must not drop out of both halves
   [ -f "$path" ] || { echo "scripts/test.sh: NIXL_WAITS names $path, which is gone" >&2; exit 1; }
-  [[ " ${NIXL_WAITS_PD[*]} " == *" $path "* ]] || NIXL_WAITS_PUSH+=("$path")
-done
-for path in "${NIXL_WAITS_PD[@]}"; do  # each must stay in NIXL_WAITS
-  [[ " ${NIXL_WAITS[*]} " == *" $path "* ]] \
-    || { echo "scripts/test.sh: NIXL_WAITS_PD names $path, not in NIXL_WAITS" >&2; exit 1; }
 done
 # Group 3 runs as two processes side by side too: REST_CHILDREN (files whose tests start
 # Python processes that import vLLM, so CPU-bound) and the others. As one process it was
@@ -221,7 +214,7 @@ install() {  # version, base venv or "": build (or keep) the venv of one release
   echo "    (installed in $((SECONDS - start)) s)"
 }
 
-# A release's five groups run side by side, and the next release's venv is built beside
+# A release's four groups run side by side, and the next release's venv is built beside
 # them: the groups wait on leases, timeouts and child processes for much of their time
 # (one full run in sequence kept 2 cores 40% busy: 31 CPU-minutes in 38 minutes). The
 # release-independent group runs beside the last release's (the shortest).
@@ -233,8 +226,7 @@ install "${MATRIX[0]}" ""
 for i in "${!MATRIX[@]}"; do
   version=${MATRIX[$i]}
   venv="$VENVS/vllm-$version"
-  start_group "vLLM $version (nixl, waits, pd)" "$venv" "${NIXL_WAITS_PD[@]}"
-  start_group "vLLM $version (nixl, waits, push)" "$venv" "${NIXL_WAITS_PUSH[@]}"
+  start_group "vLLM $version (nixl, waits)" "$venv" "${NIXL_WAITS[@]}"
   start_group "vLLM $version (nixl, others)" "$venv" "${NIXL_OTHERS[@]}"
   start_group "vLLM $version (rest, children)" "$venv" "${REST_CHILDREN[@]}"
   start_group "vLLM $version (rest)" "$venv" tests experiments/tests "${ignore[@]}"
