@@ -82,7 +82,7 @@ NIXL_IN_PROCESS=(tests/test_connector_*.py tests/test_nixl_registration*.py)
 # against 201 s (the rest 138 s) as one. Every file of NIXL_IN_PROCESS not named here
 # runs in the other half, so a new file is never left out. The waiting half as two
 # processes (test_connector_pd.py apart, 2026-11-29) was slower: with a fifth process
-# every group ran longer on the 2 cores (vLLM 0.33.0's longest 218 -> 287 s, 0.32.0's
+# every group ran longer on the 2 cores (vLLM 0.33.0's longest 209 -> 287 s, 0.32.0's
 # 206 -> 252 s, the next venv's install beside them 107-162 -> 171-198 s, fresh clones):
 # a release is CPU-bound once its groups run side by side, though its waiting group
 # alone takes 202 s of wall for 107 s of CPU (0.30.0).
